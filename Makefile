@@ -1,0 +1,33 @@
+# Two commands for a newcomer: `make demo` and `make test`. Both create .venv and
+# install everything into it; nothing relies on what the machine already has.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?= -n 2
+
+.PHONY: demo test bench venv clean
+
+venv: $(STAMP)
+
+# First install resolves the pinned dependencies; the second rebuilds the package
+# without build isolation so setup.py compiles the custom ops against that TensorFlow.
+$(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68" wheel
+	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m tf_msopt compare
+
+# pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/update_step.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo_output

@@ -1,0 +1,217 @@
+"""What every MindSpore-style optimizer of the package shares, written once.
+
+- :func:`resolve_learning_rate`: MindSpore's learning-rate forms (number, 0-D or
+  1-D tensor/array indexed by step, iterable) and Keras' (``LearningRateSchedule``,
+  zero-argument callable), with MindSpore's checks.
+- :func:`make_variable_filter` / :func:`serialize_filter`: ``lars_filter`` and
+  ``decay_filter`` as a callable on ``keras.Variable`` or a list of regular
+  expressions of variable paths to exclude.
+- :class:`MindSporeOptimizer`: a ``keras.optimizers.Optimizer`` with the
+  optimizer-level ``jit_compile`` switch and a ``from_config`` that restores
+  every serialized Keras object in the config (schedules, registered filters).
+"""
+import numbers
+import re
+from collections.abc import Iterable
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_msopt._common import in_xla_context
+from tf_msopt._validation import check_bool, type_name
+from tf_msopt.schedules import PerStepSchedule
+
+__all__ = [
+    "MindSporeOptimizer",
+    "check_filter",
+    "make_variable_filter",
+    "resolve_learning_rate",
+    "serialize_filter",
+]
+
+_Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+class _UntrackedDict(dict):
+    """A dict that TensorFlow's attribute tracking leaves alone (it wraps plain dicts only),
+    so cached tf.functions never end up in checkpoints or SavedModels."""
+
+
+def _check_non_negative_values(values, arg, owner):
+    if not np.all(np.isfinite(values)) or np.any(values < 0):
+        raise ValueError(
+            f"For '{owner}', the '{arg}' must be finite and >= 0, but got {values.tolist()}."
+        )
+
+
+def resolve_learning_rate(value, owner, arg="learning_rate"):
+    """Turns a MindSpore or Keras learning-rate form into what Keras accepts.
+
+    Returns a ``float`` (number, 0-D tensor/array), a :class:`PerStepSchedule`
+    (1-D tensor/array or iterable: entry ``i`` at step ``i``), or the given
+    ``LearningRateSchedule`` / zero-argument callable unchanged.
+
+    Raises:
+        TypeError: for any other type (strings, booleans, non-float arrays).
+        ValueError: for a negative or non-finite value, or an array of rank > 1.
+    """
+    if isinstance(value, _Schedule):
+        return value
+    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+        raise _learning_rate_type_error(value, arg, owner)
+    if isinstance(value, numbers.Real):
+        _check_non_negative_values(np.asarray(float(value)), arg, owner)
+        return float(value)
+    if isinstance(value, (tf.Tensor, tf.Variable, np.ndarray, keras.Variable)):
+        array = np.asarray(value)
+        if not (np.issubdtype(array.dtype, np.floating) or np.issubdtype(array.dtype, np.integer)):
+            raise TypeError(
+                f"For '{owner}', the '{arg}' tensor must have a float or int dtype, "
+                f"but got {array.dtype}."
+            )
+        if array.ndim > 1:
+            raise ValueError(
+                f"For '{owner}', the '{arg}' tensor must be 0-D (a fixed value) or 1-D "
+                f"(a value per step), but got shape {array.shape}."
+            )
+        array = array.astype(np.float64)
+        _check_non_negative_values(array, arg, owner)
+        return float(array) if array.ndim == 0 else PerStepSchedule(array)
+    if callable(value):
+        return value
+    if isinstance(value, Iterable):
+        array = np.asarray(list(value))
+        if array.ndim != 1 or not np.issubdtype(array.dtype, np.number) or array.dtype == bool:
+            raise TypeError(
+                f"For '{owner}', an iterable '{arg}' must hold numbers (one per step), "
+                f"but got {array.tolist()!r}."
+            )
+        array = array.astype(np.float64)
+        _check_non_negative_values(array, arg, owner)
+        return PerStepSchedule(array)
+    raise _learning_rate_type_error(value, arg, owner)
+
+
+def _learning_rate_type_error(value, arg, owner):
+    return TypeError(
+        f"For '{owner}', the '{arg}' must be a float, int, 0-D or 1-D Tensor/array, Iterable or "
+        f"LearningRateSchedule, but got type '{type_name(value)}'."
+    )
+
+
+def make_variable_filter(spec, default_excludes, arg, owner):
+    """Returns ``predicate(keras_variable) -> bool``: True where the rule applies.
+
+    Args:
+        spec: ``None`` (exclude ``default_excludes``), a list of regular
+            expressions searched in ``variable.path`` (matching variables are
+            excluded), or a callable ``f(variable) -> bool``.
+        default_excludes: the regular expressions used when ``spec`` is None.
+        arg, owner: names for error messages.
+    """
+    if callable(spec):
+        return lambda variable: bool(spec(variable))
+    patterns = _compile_patterns(default_excludes if spec is None else spec, arg, owner)
+    return lambda variable: not any(p.search(variable.path) for p in patterns)
+
+
+def _compile_patterns(patterns, arg, owner):
+    if isinstance(patterns, str) or not isinstance(patterns, (list, tuple)) or not all(
+            isinstance(p, str) for p in patterns):
+        raise TypeError(
+            f"For '{owner}', the '{arg}' must be None, a callable taking a keras.Variable, or a "
+            f"list of regular expressions (str), but got {patterns!r}."
+        )
+    try:
+        return [re.compile(p) for p in patterns]
+    except re.error as err:
+        raise ValueError(f"For '{owner}', the '{arg}' holds an invalid regular expression: {err}.")
+
+
+def check_filter(spec, arg, owner):
+    """Validates a filter spec at construction (so bad input fails early)."""
+    if spec is not None and not callable(spec):
+        _compile_patterns(spec, arg, owner)
+    return spec
+
+
+def serialize_filter(spec, arg, owner):
+    """The config form of a filter: ``None``, the regex list, or a registered function.
+
+    A lambda or unregistered function cannot be saved in a form that
+    ``load_model(safe_mode=True)`` accepts, so saving says so instead of
+    writing a file that cannot be loaded.
+    """
+    if spec is None or not callable(spec):
+        return None if spec is None else list(spec)
+    registered = keras.saving.get_registered_name(spec)
+    if keras.saving.get_registered_object(registered) is not spec:
+        raise ValueError(
+            f"For '{owner}', the '{arg}' is the Python callable {spec!r}, which cannot be saved. "
+            f"Pass a list of regular expressions of variable paths to exclude, or decorate the "
+            f"function with @keras.saving.register_keras_serializable()."
+        )
+    return keras.saving.serialize_keras_object(spec)
+
+
+class MindSporeOptimizer(keras.optimizers.Optimizer):
+    """Base of the package's optimizers.
+
+    Subclasses implement :meth:`_update` (the per-variable math, writing through
+    ``self.assign*``) instead of ``update_step``. With ``jit_compile=True`` that
+    math runs as one XLA-compiled function per variable, even when the train step
+    around it is not compiled (e.g. under ``MirroredStrategy``); inside an
+    XLA-compiled train step it is simply inlined.
+
+    Args:
+        learning_rate: any form accepted by :func:`resolve_learning_rate`.
+        jit_compile: bool, or None for the optimizer's measured default
+            (``default_jit_compile``).
+        name: the optimizer's name.
+        **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
+    """
+
+    #: Set per subclass from ``benchmarks/update_step.py``.
+    default_jit_compile = False
+
+    def __init__(self, learning_rate, name=None, jit_compile=None, **kwargs):
+        owner = type(self).__name__
+        super().__init__(learning_rate=resolve_learning_rate(learning_rate, owner), name=name,
+                         **kwargs)
+        self.jit_compile = (self.default_jit_compile if jit_compile is None
+                            else check_bool(jit_compile, "jit_compile", owner))
+        self._compiled_updates = _UntrackedDict()
+
+    def update_step(self, gradient, variable, learning_rate):
+        if self.jit_compile and not in_xla_context():
+            learning_rate = tf.convert_to_tensor(learning_rate)
+            return self._compiled_update(variable)(gradient, learning_rate)
+        return self._update(gradient, variable, learning_rate)
+
+    def _compiled_update(self, variable):
+        # One XLA function per variable (per device component under a strategy),
+        # closing over the variable so `_get_variable_index` sees the real object.
+        key = id(variable)
+        if key not in self._compiled_updates:
+            self._compiled_updates[key] = tf.function(
+                lambda gradient, learning_rate: self._update(gradient, variable, learning_rate),
+                jit_compile=True, autograph=False)
+        return self._compiled_updates[key]
+
+    def _update(self, gradient, variable, learning_rate):
+        raise NotImplementedError(f"{type(self).__name__} must implement _update")
+
+    def get_config(self):
+        config = super().get_config()
+        config["jit_compile"] = self.jit_compile
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+        for key, value in config.items():
+            if isinstance(value, dict) and "class_name" in value:
+                config[key] = keras.saving.deserialize_keras_object(
+                    value, custom_objects=custom_objects)
+        return cls(**config)

@@ -1,0 +1,149 @@
+"""Schedules: per-step arrays (MindSpore's 1-D learning rates) and sign decays.
+
+All are ``keras.optimizers.schedules.LearningRateSchedule`` subclasses registered
+under the ``tf_msopt`` package, so they serialize with the optimizer and load
+with ``keras.models.load_model(safe_mode=True)``.
+"""
+import math
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tf_msopt._common import register
+from tf_msopt._validation import check_float, check_int, check_number_range
+
+__all__ = ["PerStepSchedule", "LinearSignDecay", "CosineSignDecay", "RestartSignDecay"]
+
+_Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+@register
+class PerStepSchedule(_Schedule):
+    """A value per step: ``values[step]``, the form of a MindSpore 1-D learning rate.
+
+    MindSpore gathers ``learning_rate[global_step]`` and fails once the step runs
+    past the end of the array. Here the last value is held instead, so a run that
+    trains a few steps longer than planned keeps going.
+
+    Args:
+        values: 1-D sequence of floats, entry ``i`` used at step ``i``.
+    """
+
+    def __init__(self, values):
+        array = np.asarray(values, dtype=np.float64)
+        if array.ndim != 1 or array.size == 0:
+            raise ValueError(
+                "For 'PerStepSchedule', the 'values' must be a non-empty 1-D sequence, "
+                f"but got shape {array.shape}."
+            )
+        self.values = [float(v) for v in array]
+        self._table = tf.constant(array, dtype=tf.float32)
+
+    def __call__(self, step):
+        index = tf.minimum(tf.cast(step, tf.int32), len(self.values) - 1)
+        return tf.gather(self._table, index)
+
+    def get_config(self):
+        return {"values": list(self.values)}
+
+
+def _check_decay_steps(decay_steps, owner):
+    return check_int(decay_steps, "decay_steps", owner, min_value=1)
+
+
+def _check_zero_after(zero_after, owner):
+    if zero_after is None:
+        return None
+    return check_number_range(check_float(zero_after, "zero_after", owner), "zero_after", owner,
+                              low=0.0)
+
+
+class _SignDecay(_Schedule):
+    """Shared clamp of the step to ``[0, decay_steps]`` (steps past the end keep the last value)."""
+
+    def _clamped_step(self, step):
+        return tf.minimum(tf.cast(step, tf.float32), float(self.decay_steps))
+
+
+@register
+class LinearSignDecay(_SignDecay):
+    """Linear decay of the sign term: ``max(0, (T - min(t, T)) / T)``.
+
+    From Bello et al. 2017, "Neural Optimizer Search with Reinforcement
+    Learning" (arXiv:1709.07417), as TensorFlow 1.x ``contrib.opt`` had it.
+
+    Args:
+        decay_steps: ``T``, the number of steps over which the sign term decays to 0.
+    """
+
+    def __init__(self, decay_steps):
+        self.decay_steps = _check_decay_steps(decay_steps, "LinearSignDecay")
+
+    def __call__(self, step):
+        remaining = float(self.decay_steps) - self._clamped_step(step)
+        return tf.maximum(0.0, remaining / float(self.decay_steps))
+
+    def get_config(self):
+        return {"decay_steps": self.decay_steps}
+
+
+@register
+class CosineSignDecay(_SignDecay):
+    """Cosine decay of the sign term: ``0.5 * (1 + cos(2*pi*n*min(t, T)/T))``.
+
+    Args:
+        decay_steps: ``T``.
+        num_periods: ``n``; the default 0.5 reaches 0 at step ``T``.
+        zero_after: if set, 0 once ``2*n*t/T >= 2*zero_after`` (contrib's rule).
+    """
+
+    def __init__(self, decay_steps, num_periods=0.5, zero_after=None):
+        owner = "CosineSignDecay"
+        self.decay_steps = _check_decay_steps(decay_steps, owner)
+        self.num_periods = check_number_range(
+            check_float(num_periods, "num_periods", owner), "num_periods", owner, low=0.0,
+            low_inclusive=False)
+        self.zero_after = _check_zero_after(zero_after, owner)
+
+    def __call__(self, step):
+        fraction = 2.0 * self.num_periods * self._clamped_step(step) / float(self.decay_steps)
+        decayed = 0.5 * (1.0 + tf.cos(math.pi * fraction))
+        if self.zero_after is not None:
+            decayed = tf.where(fraction >= 2.0 * self.zero_after, 0.0, decayed)
+        return decayed
+
+    def get_config(self):
+        return {"decay_steps": self.decay_steps, "num_periods": self.num_periods,
+                "zero_after": self.zero_after}
+
+
+@register
+class RestartSignDecay(_SignDecay):
+    """Restart (SGDR-style) decay: ``0.5 * (1 + cos(pi * ((n*min(t, T)) mod T) / T))``.
+
+    Args:
+        decay_steps: ``T``.
+        num_periods: ``n``, the number of restarts within ``T`` steps.
+        zero_after: if set, 0 once ``n*t/T >= zero_after``.
+    """
+
+    def __init__(self, decay_steps, num_periods=1.0, zero_after=None):
+        owner = "RestartSignDecay"
+        self.decay_steps = _check_decay_steps(decay_steps, owner)
+        self.num_periods = check_number_range(
+            check_float(num_periods, "num_periods", owner), "num_periods", owner, low=0.0,
+            low_inclusive=False)
+        self.zero_after = _check_zero_after(zero_after, owner)
+
+    def __call__(self, step):
+        cycles = self.num_periods * self._clamped_step(step)
+        fraction = tf.math.floormod(cycles, float(self.decay_steps)) / float(self.decay_steps)
+        decayed = 0.5 * (1.0 + tf.cos(math.pi * fraction))
+        if self.zero_after is not None:
+            decayed = tf.where(cycles / float(self.decay_steps) >= self.zero_after, 0.0, decayed)
+        return decayed
+
+    def get_config(self):
+        return {"decay_steps": self.decay_steps, "num_periods": self.num_periods,
+                "zero_after": self.zero_after}

@@ -5,6 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
+export TF_CPP_MIN_LOG_LEVEL ?= 2
 
 .PHONY: demo test bench venv clean
 

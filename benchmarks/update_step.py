@@ -12,8 +12,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -22,6 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
+from timing import time_cases  # noqa: E402
 
 
 def make_problem(params, variables):
@@ -62,20 +61,6 @@ def cases(values, grads):
         "powersign": keras_case(lambda: mso.PowerSign(0.01, jit_compile=False), values, grads),
         "powersign_jit": keras_case(lambda: mso.PowerSign(0.01, jit_compile=True), values, grads),
     }
-
-
-def time_cases(steps, rounds, calls_per_round):
-    for step in steps.values():  # trace and warm up
-        for _ in range(3):
-            step()
-    samples = {name: [] for name in steps}
-    for _ in range(rounds):
-        for name, step in steps.items():
-            start = time.perf_counter()
-            for _ in range(calls_per_round):
-                step()
-            samples[name].append((time.perf_counter() - start) / calls_per_round)
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
 def main():

@@ -66,6 +66,22 @@ class _SignDecay(_Schedule):
         return tf.minimum(tf.cast(step, tf.float32), float(self.decay_steps))
 
 
+class _PeriodicSignDecay(_SignDecay):
+    """Shared arguments of the cosine and restart decays."""
+
+    def __init__(self, decay_steps, num_periods, zero_after):
+        owner = type(self).__name__
+        self.decay_steps = _check_decay_steps(decay_steps, owner)
+        self.num_periods = check_number_range(
+            check_float(num_periods, "num_periods", owner), "num_periods", owner, low=0.0,
+            low_inclusive=False)
+        self.zero_after = _check_zero_after(zero_after, owner)
+
+    def get_config(self):
+        return {"decay_steps": self.decay_steps, "num_periods": self.num_periods,
+                "zero_after": self.zero_after}
+
+
 @register
 class LinearSignDecay(_SignDecay):
     """Linear decay of the sign term: ``max(0, (T - min(t, T)) / T)``.
@@ -89,7 +105,7 @@ class LinearSignDecay(_SignDecay):
 
 
 @register
-class CosineSignDecay(_SignDecay):
+class CosineSignDecay(_PeriodicSignDecay):
     """Cosine decay of the sign term: ``0.5 * (1 + cos(2*pi*n*min(t, T)/T))``.
 
     Args:
@@ -99,12 +115,7 @@ class CosineSignDecay(_SignDecay):
     """
 
     def __init__(self, decay_steps, num_periods=0.5, zero_after=None):
-        owner = "CosineSignDecay"
-        self.decay_steps = _check_decay_steps(decay_steps, owner)
-        self.num_periods = check_number_range(
-            check_float(num_periods, "num_periods", owner), "num_periods", owner, low=0.0,
-            low_inclusive=False)
-        self.zero_after = _check_zero_after(zero_after, owner)
+        super().__init__(decay_steps, num_periods, zero_after)
 
     def __call__(self, step):
         fraction = 2.0 * self.num_periods * self._clamped_step(step) / float(self.decay_steps)
@@ -113,13 +124,9 @@ class CosineSignDecay(_SignDecay):
             decayed = tf.where(fraction >= 2.0 * self.zero_after, 0.0, decayed)
         return decayed
 
-    def get_config(self):
-        return {"decay_steps": self.decay_steps, "num_periods": self.num_periods,
-                "zero_after": self.zero_after}
-
 
 @register
-class RestartSignDecay(_SignDecay):
+class RestartSignDecay(_PeriodicSignDecay):
     """Restart (SGDR-style) decay: ``0.5 * (1 + cos(pi * ((n*min(t, T)) mod T) / T))``.
 
     Args:
@@ -129,12 +136,7 @@ class RestartSignDecay(_SignDecay):
     """
 
     def __init__(self, decay_steps, num_periods=1.0, zero_after=None):
-        owner = "RestartSignDecay"
-        self.decay_steps = _check_decay_steps(decay_steps, owner)
-        self.num_periods = check_number_range(
-            check_float(num_periods, "num_periods", owner), "num_periods", owner, low=0.0,
-            low_inclusive=False)
-        self.zero_after = _check_zero_after(zero_after, owner)
+        super().__init__(decay_steps, num_periods, zero_after)
 
     def __call__(self, step):
         cycles = self.num_periods * self._clamped_step(step)
@@ -143,7 +145,3 @@ class RestartSignDecay(_SignDecay):
         if self.zero_after is not None:
             decayed = tf.where(cycles / float(self.decay_steps) >= self.zero_after, 0.0, decayed)
         return decayed
-
-    def get_config(self):
-        return {"decay_steps": self.decay_steps, "num_periods": self.num_periods,
-                "zero_after": self.zero_after}

@@ -60,6 +60,10 @@ def cases(values, grads):
         "addsign_jit": keras_case(lambda: mso.AddSign(0.01, jit_compile=True), values, grads),
         "powersign": keras_case(lambda: mso.PowerSign(0.01, jit_compile=False), values, grads),
         "powersign_jit": keras_case(lambda: mso.PowerSign(0.01, jit_compile=True), values, grads),
+        "lars_sgd_momentum": keras_case(lambda: mso.LARS(sgd()), values, grads),
+        "lars_sgd_momentum_jit": keras_case(lambda: mso.LARS(sgd(), jit_compile=True), values,
+                                            grads),
+        "lars_adam": keras_case(lambda: mso.LARS(keras.optimizers.Adam(1e-3)), values, grads),
     }
 
 
@@ -81,7 +85,9 @@ def main():
     for name, seconds in medians.items():
         print(f"{name:<22}{seconds * 1e3:>10.2f}{seconds / sgd:>15.2f}x{seconds / raw:>16.2f}x")
     targets = {"addsign_vs_keras_sgd_momentum": (medians["addsign"] / sgd, 0.7),
-               "addsign_vs_raw_apply_momentum": (medians["addsign"] / raw, 1.1)}
+               "addsign_vs_raw_apply_momentum": (medians["addsign"] / raw, 1.1),
+               "lars_sgd_momentum_vs_keras_sgd_momentum": (medians["lars_sgd_momentum"] / sgd, 1.15),
+               "lars_adam_vs_keras_adam": (medians["lars_adam"] / medians["keras_adam"], 1.15)}
     for name, (ratio, target) in targets.items():
         verdict = "meets" if ratio <= target else "MISSES"
         print(f"target {name}: {ratio:.2f}x (target <= {target}x) {verdict}")

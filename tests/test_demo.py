@@ -4,6 +4,7 @@ import runpy
 import sys
 
 import numpy as np
+import pytest
 
 from tf_msopt import __main__ as cli
 from tf_msopt.compare import compare
@@ -28,7 +29,11 @@ def test_cli_rejects_unknown_command(capsys):
     assert "usage: python -m tf_msopt" in capsys.readouterr().err
 
 
-def test_sign_optimizer_example_runs(monkeypatch, capsys):
-    monkeypatch.setattr(sys, "argv", ["sign_optimizers.py", "--epochs", "2"])
-    runpy.run_path(os.path.join(REPO_ROOT, "examples", "sign_optimizers.py"), run_name="__main__")
-    assert "final validation accuracy" in capsys.readouterr().out
+@pytest.mark.parametrize("script, expected", [
+    ("sign_optimizers.py", "final validation accuracy"),
+    ("lars_large_batch.py", "final test accuracy"),
+])
+def test_example_runs(script, expected, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [script, "--epochs", "3"])
+    runpy.run_path(os.path.join(REPO_ROOT, "examples", script), run_name="__main__")
+    assert expected in capsys.readouterr().out

@@ -1,5 +1,6 @@
 """The package's optimizers, one module each, on the shared base in ``base.py``."""
 from tf_msopt.optimizers.add_sign import AddSign
+from tf_msopt.optimizers.lars import LARS
 from tf_msopt.optimizers.power_sign import PowerSign
 
-__all__ = ["AddSign", "PowerSign"]
+__all__ = ["AddSign", "LARS", "PowerSign"]

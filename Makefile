@@ -29,6 +29,7 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/update_step.py
+	$(BIN)/python benchmarks/loss_scale_step.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_output

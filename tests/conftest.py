@@ -18,7 +18,15 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 @pytest.fixture
 def two_cpu_strategy():
-    """MirroredStrategy over two logical CPUs (2 replicas)."""
+    """MirroredStrategy over two logical CPUs (2 replicas), with collective keys of its own.
+
+    TensorFlow caches each collective instance (its shape) by group and instance
+    key for the whole process, and every MirroredStrategy starts from the same
+    keys, so without the bump a later strategy's all-reduce can be matched
+    against a shape left by an earlier test ("Shape mismatch in the collective
+    instance").
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 1000
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 

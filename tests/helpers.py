@@ -37,3 +37,69 @@ def small_mlp(features=6, outputs=2, seed=0):
         keras.layers.Dense(8, activation="tanh", name="fc1"),
         keras.layers.Dense(outputs, name="head"),
     ])
+
+
+def overflow_batches(steps=10, overflow_steps=(2, 6), batch=8, seed=0):
+    """``steps`` regression batches; in each of ``overflow_steps`` the last target is inf,
+    so that step's gradients overflow (under MirroredStrategy: on the last replica only)."""
+    x, y = regression_data(n=steps * batch, seed=seed)
+    y = y.copy()
+    for step in overflow_steps:
+        y[(step + 1) * batch - 1] = np.inf
+    return [(x[i * batch:(i + 1) * batch], y[i * batch:(i + 1) * batch]) for i in range(steps)]
+
+
+def loss_scale_state(model):
+    """The loss-scale state of a model compiled with a tf_msopt.LossScaleOptimizer, and its
+    weights (JSON-ready)."""
+    optimizer = model.optimizer
+    return {
+        "scale": float(optimizer.dynamic_scale.numpy()),
+        "counter": int(optimizer.step_counter.numpy()),
+        "skipped": int(optimizer.skipped_steps.numpy()),
+        "last_skipped": int(optimizer.last_step_skipped.numpy()),
+        "weights": [w.tolist() for w in model.get_weights()],
+    }
+
+
+def loss_scale_trace(model, batches):
+    """Trains ``model`` one batch at a time (``train_on_batch``); returns
+    :func:`loss_scale_state` after each step."""
+    trace = []
+    for x, y in batches:
+        model.train_on_batch(x, y)
+        trace.append(loss_scale_state(model))
+    return trace
+
+
+def _free_port():
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("localhost", 0))
+        return sock.getsockname()[1]
+
+
+def run_workers(code, workers=2, timeout=240):
+    """Runs ``code`` in ``workers`` fresh processes that form a MultiWorkerMirroredStrategy
+    cluster on localhost (``TF_CONFIG`` set; each process sees one CPU device); returns the
+    JSON that each one's last stdout line prints, in worker order."""
+    cluster = {"worker": [f"localhost:{_free_port()}" for _ in range(workers)]}
+    processes = []
+    for index in range(workers):
+        tf_config = json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT, TF_CONFIG=tf_config)
+        processes.append(subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT))
+    results = []
+    try:
+        for index, process in enumerate(processes):
+            stdout, stderr = process.communicate(timeout=timeout)
+            if process.returncode != 0:
+                raise AssertionError(f"worker {index} failed:\n{stdout}\n{stderr[-4000:]}")
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return results

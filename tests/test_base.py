@@ -206,6 +206,8 @@ def test_validation_helpers():
     with pytest.raises(ValueError, match=r"'beta1' must be in range of \(0.0, 1.0\), but got 1.0"):
         v.check_number_range(1.0, "beta1", "AdamOffload", 0.0, 1.0, False, False)
     assert v.check_number_range(0.5, "beta1", "AdamOffload", 0.0, 1.0, False, False) == 0.5
+    with pytest.raises(ValueError, match="'beta' must be in range of .* but got nan"):
+        v.check_number_range(float("nan"), "beta", "AddSign", 0.0, 1.0)
 
 
 # ---------------------------------------------------------------- sign decays

@@ -1,7 +1,12 @@
 """MindSpore's training optimizers for TensorFlow 2.21 / Keras 3."""
 from tf_msopt import ops, schedules
-from tf_msopt.optimizers import AddSign, PowerSign
+from tf_msopt.loss_scale import (DynamicLossScaleManager, DynamicLossScaleUpdateCell,
+                                 FixedLossScaleManager, FixedLossScaleUpdateCell,
+                                 LossScaleOptimizer)
+from tf_msopt.optimizers import AddSign, LARS, PowerSign
 
 __version__ = "0.1.0"
 
-__all__ = ["AddSign", "PowerSign", "ops", "schedules"]
+__all__ = ["AddSign", "DynamicLossScaleManager", "DynamicLossScaleUpdateCell",
+           "FixedLossScaleManager", "FixedLossScaleUpdateCell", "LossScaleOptimizer", "LARS",
+           "PowerSign", "ops", "schedules"]

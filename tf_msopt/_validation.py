@@ -61,10 +61,11 @@ def check_float(value, arg, owner, allow_int=True):
 
 def check_number_range(value, arg, owner, low=None, high=None, low_inclusive=True,
                        high_inclusive=True):
-    """``ValueError`` unless ``low (<|<=) value (<|<=) high``; ``None`` bounds are open."""
+    """``ValueError`` unless ``low (<|<=) value (<|<=) high``; ``None`` bounds are open. NaN fails."""
+    is_nan = value != value
     too_low = low is not None and (value < low if low_inclusive else value <= low)
     too_high = high is not None and (value > high if high_inclusive else value >= high)
-    if too_low or too_high:
+    if is_nan or too_low or too_high:
         left = "[" if low_inclusive else "("
         right = "]" if high_inclusive else ")"
         low_text = "-inf" if low is None else float(low)

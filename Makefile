@@ -23,9 +23,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 demo: $(STAMP)
 	$(BIN)/python -m tf_msopt compare
 
-# pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
+# The suite runs twice: with the compiled ops, then with the kill switch, which
+# proves every feature works on the pure-TensorFlow path. pytest exits 5 when it
+# collected no test; any non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/update_step.py

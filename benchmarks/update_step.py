@@ -50,6 +50,12 @@ def raw_momentum_case(values, grads):
     return tf.function(step)
 
 
+def tf_kernel(optimizer):
+    """Forces TensorFlow's fused kernel instead of the package's one-pass op."""
+    optimizer._fused = True
+    return optimizer
+
+
 def cases(values, grads):
     sgd = lambda: keras.optimizers.SGD(0.01, momentum=0.9)  # noqa: E731
     return {
@@ -57,6 +63,8 @@ def cases(values, grads):
         "raw_apply_momentum": raw_momentum_case(values, grads),
         "keras_adam": keras_case(lambda: keras.optimizers.Adam(1e-3), values, grads),
         "addsign": keras_case(lambda: mso.AddSign(0.01, jit_compile=False), values, grads),
+        "addsign_tf_kernel": keras_case(lambda: tf_kernel(mso.AddSign(0.01, jit_compile=False)),
+                                        values, grads),
         "addsign_jit": keras_case(lambda: mso.AddSign(0.01, jit_compile=True), values, grads),
         "powersign": keras_case(lambda: mso.PowerSign(0.01, jit_compile=False), values, grads),
         "powersign_jit": keras_case(lambda: mso.PowerSign(0.01, jit_compile=True), values, grads),
@@ -81,6 +89,7 @@ def main():
 
     print(f"{args.params:,} float32 params in {args.variables} variables, "
           f"{os.cpu_count()} CPUs, TF {tf.__version__}, Keras {keras.__version__}")
+    print(f"back-end: {mso.ops.custom_ops_status()}")
     print(f"{'case':<22}{'ms/step':>10}{'vs Keras SGD-m':>16}{'vs raw momentum':>17}")
     for name, seconds in medians.items():
         print(f"{name:<22}{seconds * 1e3:>10.2f}{seconds / sgd:>15.2f}x{seconds / raw:>16.2f}x")
@@ -94,6 +103,7 @@ def main():
     print(json.dumps({
         "benchmark": "update_step", "params": args.params, "variables": args.variables,
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "custom_ops": mso.ops.custom_ops_available(),
         "ms_per_step": {k: round(s * 1e3, 3) for k, s in medians.items()},
         "ratios": {k: round(r, 3) for k, (r, _) in targets.items()},
     }))

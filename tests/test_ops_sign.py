@@ -1,10 +1,13 @@
 """mso.ops.apply_add_sign / apply_power_sign: MindSpore's golden values and op contract."""
+import os
+
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tf_msopt as mso
-from tf_msopt.ops.sign import update_sign_variables
+from tf_msopt.ops import _loader
+from tf_msopt.ops.sign import _custom_kernel, update_sign_variables
 
 # reference/mindspore_spec.md §5, S1 (the ApplyAddSign docstring example).
 S1 = dict(var=[[0.6, 0.4], [0.1, 0.5]], m=[[0.6, 0.5], [0.2, 0.6]], lr=0.001, alpha=1.0,
@@ -87,13 +90,16 @@ def test_s3_power_sign(in_place):
 
 @pytest.mark.parametrize("rule", ["add_sign", "power_sign"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_fused_and_plain_paths_agree(rule, dtype):
+@pytest.mark.parametrize("size", [300, 100_003])  # one shard, and many across threads
+def test_all_kernel_paths_agree(rule, dtype, size):
     rng = np.random.default_rng(3)
-    var0, m0 = rng.normal(size=(2, 300)).astype(dtype)
-    grads = rng.normal(size=(4, 300)).astype(dtype)
-    grads[:, :20] = 0.0  # sign(0) = 0 on both paths
+    var0, m0 = rng.normal(size=(2, size)).astype(dtype)
+    grads = rng.normal(size=(4, size)).astype(dtype)
+    grads[:, :20] = 0.0  # sign(0) = 0 on every path
+    # None: the package's one-pass kernel when loaded; True: TF's fused kernel; False: plain ops.
+    paths = (None, True, False)
     results = {}
-    for fused in (True, False):
+    for fused in paths:
         var, m = tf.Variable(var0), tf.Variable(m0)
         for g in grads:
             hyper = [tf.constant(x, dtype) for x in (0.05, 0.7, 0.5, 0.9)]
@@ -103,10 +109,26 @@ def test_fused_and_plain_paths_agree(rule, dtype):
     for g in grads:
         expected_var, expected_m = numpy_sign_step(rule, expected_var, expected_m, 0.05, 0.7, 0.5,
                                                    0.9, g)
-    for fused in (True, False):
+    for fused in paths:
         np.testing.assert_allclose(results[fused][0], expected_var, rtol=0, atol=1e-6)
         np.testing.assert_allclose(results[fused][1], expected_m, rtol=0, atol=1e-6)
-    np.testing.assert_allclose(results[True][0], results[False][0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(results[fused][0], results[False][0], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", ["add_sign", "power_sign"])
+def test_dispatch_uses_the_one_pass_kernel_unless_disabled(rule):
+    """`make test` builds the ops, and runs the suite again with the kill switch."""
+    kernel = _custom_kernel(rule, tf.float32, "/job:localhost/device:CPU:0")
+    if os.environ.get(_loader.DISABLE_ENV):
+        assert kernel is None
+    else:
+        assert mso.ops.custom_ops_available(), mso.ops.custom_ops_status()
+        assert kernel is not None
+    # Never inside XLA, which cannot compile the custom op, nor for dtypes it lacks.
+    assert tf.function(lambda: tf.constant(_custom_kernel(rule, tf.float32, "CPU:0") is None),
+                       jit_compile=True)().numpy()
+    assert _custom_kernel(rule, tf.float16, "CPU:0") is None
+    assert _custom_kernel(rule, tf.float32, "/device:GPU:0") is None
 
 
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])

@@ -6,17 +6,22 @@ One step (Bello et al. 2017; MindSpore ``ops.ApplyAddSign`` / ``ops.ApplyPowerSi
     AddSign:   var -= lr * (alpha + sign_decay * sign(grad) * sign(m)) * grad
     PowerSign: var -= lr * exp(logbase * sign_decay * sign(grad) * sign(m)) * grad
 
-``sign`` uses the NEW ``m`` and ``sign(0) = 0``. Variables are updated with
-TensorFlow's fused ``ResourceApplyAddSign`` / ``ResourceApplyPowerSign`` kernels
-where the dtype and device have one (CPU: half, bfloat16, float, double; GPU: no
-bfloat16), otherwise with the same arithmetic in plain ops. Both paths compile
-under ``jit_compile=True``.
+``sign`` uses the NEW ``m`` and ``sign(0) = 0``. Variables are updated, fastest
+first, by the package's one-pass CPU kernels (``custom_ops/sign_ops.cc``; float32
+and float64, when the compiled ops are loaded and the step is not XLA-compiled),
+by TensorFlow's fused ``ResourceApplyAddSign`` / ``ResourceApplyPowerSign``
+kernels where the dtype and device have one (CPU: half, bfloat16, float, double;
+GPU: no bfloat16), otherwise by the same arithmetic in plain ops. All paths give
+the same numbers; the last two compile under ``jit_compile=True``.
 """
 import numbers
 
 import keras
 import numpy as np
 import tensorflow as tf
+
+from tf_msopt._common import in_xla_context
+from tf_msopt.ops._loader import load_custom_ops
 
 __all__ = ["apply_add_sign", "apply_power_sign", "update_sign_variables"]
 
@@ -30,6 +35,9 @@ _KERNELS = {"add_sign": tf.raw_ops.ResourceApplyAddSign,
             "power_sign": tf.raw_ops.ResourceApplyPowerSign}
 _OP_NAMES = {"add_sign": "ApplyAddSign", "power_sign": "ApplyPowerSign"}
 _COEFFICIENT_NAMES = {"add_sign": "alpha", "power_sign": "logbase"}
+_CUSTOM_KERNELS = {"add_sign": "ms_opt_resource_apply_add_sign",
+                   "power_sign": "ms_opt_resource_apply_power_sign"}
+_CUSTOM_DTYPES = (tf.float32, tf.float64)
 
 
 def _sign_step(rule, var, m, lr, coefficient, sign_decay, beta, grad):
@@ -43,22 +51,35 @@ def _sign_step(rule, var, m, lr, coefficient, sign_decay, beta, grad):
     return var - lr * scale * grad, m
 
 
+def _on_gpu(device):
+    return "GPU" in (device or "").upper()
+
+
 def has_fused_kernel(dtype, device):
-    on_gpu = "GPU" in (device or "").upper()
-    return dtype in (_FUSED_GPU_DTYPES if on_gpu else _FUSED_CPU_DTYPES)
+    return dtype in (_FUSED_GPU_DTYPES if _on_gpu(device) else _FUSED_CPU_DTYPES)
+
+
+def _custom_kernel(rule, dtype, device):
+    """The one-pass compiled kernel for this update, or None."""
+    if dtype not in _CUSTOM_DTYPES or _on_gpu(device) or in_xla_context():
+        return None
+    ops = load_custom_ops()
+    return getattr(ops, _CUSTOM_KERNELS[rule], None) if ops is not None else None
 
 
 def update_sign_variables(rule, var, m, lr, coefficient, sign_decay, beta, grad, fused=None):
     """Updates the variables ``var`` and ``m`` in place (no validation; hot path).
 
     Hyper-parameters must already have ``var.dtype``. ``fused=None`` picks the
-    fused kernel when the dtype and device have one; False forces plain ops.
+    fastest kernel the dtype, device and context allow; True forces
+    TensorFlow's fused kernel; False forces plain ops.
     """
-    if fused is None:
-        fused = has_fused_kernel(var.dtype, var.device)
-    if fused:
-        return _KERNELS[rule](var=var.handle, m=m.handle, lr=lr, sign_decay=sign_decay, beta=beta,
-                              grad=grad, **{_COEFFICIENT_NAMES[rule]: coefficient})
+    kernel = _custom_kernel(rule, var.dtype, var.device) if fused is None else None
+    if kernel is None and (fused or (fused is None and has_fused_kernel(var.dtype, var.device))):
+        kernel = _KERNELS[rule]
+    if kernel is not None:
+        return kernel(var=var.handle, m=m.handle, lr=lr, sign_decay=sign_decay, beta=beta,
+                      grad=grad, **{_COEFFICIENT_NAMES[rule]: coefficient})
     var_value, m_value = _sign_step(rule, var, m, lr, coefficient, sign_decay, beta, grad)
     m.assign(m_value)
     return var.assign(var_value)

@@ -1,6 +1,8 @@
 """The demo (`make demo` = `python -m tf_msopt compare`) and the examples run for real."""
+import json
 import os
 import runpy
+import subprocess
 import sys
 
 import numpy as np
@@ -12,21 +14,63 @@ from tf_msopt.compare import compare
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compare_trains_every_optimizer_and_writes_the_plot(tmp_path, capsys):
-    results = compare(epochs=2, output_dir=str(tmp_path), verbose=0)
-    assert set(results) == {"AddSign", "PowerSign", "SGD-momentum", "Adam"}
-    for name, r in results.items():
-        assert len(r["loss"]) == 2 and np.all(np.isfinite(r["loss"])), name
-        assert r["loss"][1] < r["loss"][0], name
-        assert r["val_accuracy"][-1] > 0.5, name  # 10 classes: chance is 0.1
+ALL_OPTIMIZERS = {"THOR", "LARS", "AdamOffload", "AddSign", "PowerSign", "SGD-momentum", "Adam"}
+
+
+def test_compare_trains_every_optimizer_on_both_models_and_writes_the_plots(tmp_path, capsys):
+    results = compare(epochs=2, output_dir=str(tmp_path), verbose=0, target_accuracy=0.5)
+    assert set(results) == {"mlp", "cnn"}
+    for kind, runs in results.items():
+        assert set(runs) == ALL_OPTIMIZERS
+        for name, r in runs.items():
+            assert len(r["loss"]) == 2 and np.all(np.isfinite(r["loss"])), (kind, name)
+            assert r["loss"][1] < r["loss"][0], (kind, name)
+            assert r["val_accuracy"][-1] > 0.5, (kind, name)  # 10 classes: chance is 0.1
+            # The target is reached at the first epoch whose accuracy is >= 0.5.
+            first = next(i for i, a in enumerate(r["val_accuracy"]) if a >= 0.5)
+            assert r["epochs_to_target"] == first + 1, (kind, name)
+            assert r["seconds_to_target"] == r["seconds"][first] > 0, (kind, name)
+        assert os.path.getsize(os.path.join(tmp_path, f"{kind}_curves.png")) > 10_000
     out = capsys.readouterr().out
-    assert "optimizer" in out and "val acc" in out and "AddSign" in out
-    assert os.path.getsize(os.path.join(tmp_path, "loss_curves.png")) > 10_000
+    assert "epochs to target" in out and "THOR" in out and "AdamOffload" in out
+    with open(os.path.join(tmp_path, "results.json")) as f:
+        assert json.load(f)["cnn"]["Adam"]["val_accuracy"] == results["cnn"]["Adam"]["val_accuracy"]
+
+
+def test_compare_on_a_user_npz_without_validation_arrays(tmp_path):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(200, 6)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32")
+    path = os.path.join(tmp_path, "mine.npz")
+    np.savez(path, x_train=x, y_train=y)
+    results = compare(models=["mlp"], optimizers=["AddSign", "Adam"], epochs=3, data=path,
+                      output_dir=None, verbose=0)
+    assert set(results["mlp"]) == {"AddSign", "Adam"}
+    assert results["mlp"]["AddSign"]["val_accuracy"][-1] > 0.8  # a linearly separable problem
+    with pytest.raises(ValueError, match="cnn needs images"):
+        compare(models=["cnn"], optimizers=["Adam"], epochs=1, data=path, output_dir=None)
+    np.savez(path, x=x)
+    with pytest.raises(ValueError, match=r"missing arrays \['x_train', 'y_train'\]"):
+        compare(models=["mlp"], data=path, output_dir=None)
+
+
+def test_compare_rejects_an_unknown_optimizer():
+    with pytest.raises(ValueError, match="unknown optimizers \\['Nope'\\]"):
+        compare(optimizers=["Nope"], output_dir=None)
+
+
+def test_console_script_is_installed_and_runs(tmp_path):
+    script = os.path.join(os.path.dirname(sys.executable), "tf-msopt")
+    out = subprocess.run([script, "compare", "--models", "mlp", "--optimizers", "PowerSign",
+                          "--epochs", "1", "--output-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "PowerSign" in out and "epochs to target" in out
+    assert os.path.exists(os.path.join(tmp_path, "mlp_curves.png"))
 
 
 def test_cli_rejects_unknown_command(capsys):
     assert cli.main(["nope"]) == 2
-    assert "usage: python -m tf_msopt" in capsys.readouterr().err
+    assert "usage: tf-msopt" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script, expected", [

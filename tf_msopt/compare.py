@@ -1,114 +1,230 @@
 """Side-by-side training of the package's optimizers against Keras SGD-momentum and Adam.
 
-Trains one MLP on scikit-learn's bundled digits data (no network) from the same
-initial weights with each optimizer, shows Keras progress bars, prints a table
-of final loss / accuracy / time and saves a plot of the loss curves.
+Trains the same model from the same initial weights with each optimizer, shows
+Keras progress bars, prints a table (final loss, accuracy, time, and the epoch
+and time at which the validation accuracy first reaches a target) and saves
+plots of loss and accuracy against epochs and against wall time.
 
-    python -m tf_msopt compare [--epochs 15] [--output-dir demo_output]
+By default it trains an MLP and a small CNN on scikit-learn's bundled digits
+(no network). ``--data file.npz`` trains on your arrays instead: ``x_train`` and
+``y_train`` (integer labels), optionally ``x_val`` and ``y_val`` (otherwise 20%
+of the training data is held out).
+
+    tf-msopt compare [--models mlp,cnn] [--optimizers THOR,Adam] [--epochs 15]
+                     [--target-accuracy 0.95] [--data my.npz] [--output-dir demo_output]
 """
 import argparse
+import json
 import os
 import time
 
 import keras
 import numpy as np
 
+MODELS = ("mlp", "cnn")
+
 
 def load_digits_split(seed=0):
-    """Standardized 8x8 digits, 80/20 train/validation split."""
+    """Digits as 8x8x1 images in [0, 1], 80/20 train/validation split."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    x = (digits.data / 16.0).astype("float32")
-    x = (x - x.mean(axis=0)) / (x.std(axis=0) + 1e-6)
+    x = (digits.images / 16.0).astype("float32")[..., None]
     return train_test_split(x, digits.target.astype("int32"), test_size=0.2, random_state=seed,
                             stratify=digits.target)
 
 
-def optimizer_factories():
-    """Name -> zero-argument factory; learning rates chosen per optimizer family."""
+def load_npz_split(path, seed=0):
+    """``x_train``/``y_train`` (and ``x_val``/``y_val`` or a 20% hold-out) from a .npz file."""
+    with np.load(path) as data:
+        missing = {"x_train", "y_train"} - set(data.files)
+        if missing:
+            raise ValueError(f"--data {path}: missing arrays {sorted(missing)}; "
+                             f"found {sorted(data.files)}")
+        x, y = data["x_train"].astype("float32"), data["y_train"].astype("int32")
+        if "x_val" in data.files and "y_val" in data.files:
+            return x, data["x_val"].astype("float32"), y, data["y_val"].astype("int32")
+    rng = np.random.default_rng(seed)
+    order = rng.permutation(len(x))
+    split = len(x) - max(1, len(x) // 5)
+    return x[order[:split]], x[order[split:]], y[order[:split]], y[order[split:]]
+
+
+def make_model(kind, input_shape, classes):
+    """The ``mlp`` (flat input) or ``cnn`` (image input) of the comparison."""
+    if kind == "mlp":
+        layers = [keras.layers.Dense(64, activation="relu"),
+                  keras.layers.Dense(64, activation="relu")]
+    elif kind == "cnn":
+        if len(input_shape) != 3:
+            raise ValueError(f"--models cnn needs images (height, width, channels); the data has "
+                             f"samples of shape {input_shape}")
+        layers = [keras.layers.Conv2D(16, 3, padding="same", activation="relu"),
+                  keras.layers.Conv2D(32, 3, strides=2, padding="same", activation="relu"),
+                  keras.layers.Flatten(), keras.layers.Dense(64, activation="relu")]
+    else:
+        raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
+    return keras.Sequential([keras.Input(input_shape), *layers,
+                             keras.layers.Dense(classes, activation="softmax")])
+
+
+def optimizer_factories(steps_per_epoch):
+    """Name -> factory(model); learning rates chosen per optimizer family on digits."""
     import tf_msopt as mso
 
     return {
-        "AddSign": lambda: mso.AddSign(learning_rate=0.1),
-        "PowerSign": lambda: mso.PowerSign(learning_rate=0.1, logbase=1.0),
-        "SGD-momentum": lambda: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-        "Adam": lambda: keras.optimizers.Adam(learning_rate=1e-3),
+        "THOR": lambda model: mso.thor(model, learning_rate=0.05, damping=0.03, momentum=0.9,
+                                       frequency=max(2, steps_per_epoch // 2)),
+        "LARS": lambda model: mso.LARS(keras.optimizers.SGD(learning_rate=0.5, momentum=0.9),
+                                       coefficient=0.01),
+        "AdamOffload": lambda model: mso.AdamOffload(learning_rate=1e-3),
+        "AddSign": lambda model: mso.AddSign(learning_rate=0.1),
+        "PowerSign": lambda model: mso.PowerSign(learning_rate=0.1, logbase=1.0),
+        "SGD-momentum": lambda model: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
+        "Adam": lambda model: keras.optimizers.Adam(learning_rate=1e-3),
     }
 
 
-def make_mlp(inputs, classes):
-    return keras.Sequential([
-        keras.Input((inputs,)),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(64, activation="relu"),
-        keras.layers.Dense(classes, activation="softmax"),
-    ])
+class _EpochClock(keras.callbacks.Callback):
+    """Wall time since the start of training at the end of each epoch."""
+
+    def on_train_begin(self, logs=None):
+        self.start, self.seconds = time.perf_counter(), []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seconds.append(time.perf_counter() - self.start)
 
 
-def compare(epochs=15, batch_size=64, output_dir="demo_output", seed=0, verbose=1):
-    """Trains with every optimizer; returns ``{name: {"loss": [...], "val_accuracy": [...], ...}}``."""
-    x_train, x_val, y_train, y_val = load_digits_split(seed)
+def _first_reaching(values, target):
+    """Index of the first value >= target, or None."""
+    return next((i for i, v in enumerate(values) if v >= target), None)
+
+
+def prepare(kind, split):
+    """The MLP sees flat features standardised with the training statistics."""
+    if kind != "mlp":
+        return split
+    x_train, x_val, y_train, y_val = split
+    x_train, x_val = (x.reshape(len(x), -1) for x in (x_train, x_val))
+    mean, std = x_train.mean(axis=0), x_train.std(axis=0)
+    std[std == 0] = 1.0  # a feature constant in training (a blank pixel) is only centred
+    return (x_train - mean) / std, (x_val - mean) / std, y_train, y_val
+
+
+def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, verbose):
+    x_train, x_val, y_train, y_val = data
     keras.utils.set_random_seed(seed)
-    initial = make_mlp(x_train.shape[1], 10).get_weights()
+    model = make_model(kind, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
+    model.set_weights(initial_weights)
+    model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    clock = _EpochClock()
+    history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
+                        validation_data=(x_val, y_val), callbacks=[clock], verbose=verbose)
+    return dict(history.history, seconds=clock.seconds)
+
+
+def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_accuracy=0.95,
+            data=None, output_dir="demo_output", seed=0, verbose=1):
+    """Trains every (model, optimizer) pair; returns ``{model: {optimizer: history}}``.
+
+    Each history has Keras' per-epoch ``loss``, ``accuracy``, ``val_loss``,
+    ``val_accuracy``, plus ``seconds`` (wall time at each epoch end) and
+    ``epochs_to_target`` / ``seconds_to_target`` (None when never reached).
+    """
+    split = load_npz_split(data, seed) if data else load_digits_split(seed)
+    steps_per_epoch = -(-len(split[0]) // batch_size)
+    factories = optimizer_factories(steps_per_epoch)
+    unknown = set(optimizers or ()) - set(factories)
+    if unknown:
+        raise ValueError(f"unknown optimizers {sorted(unknown)}; choose from {list(factories)}")
+    chosen = {k: v for k, v in factories.items() if not optimizers or k in optimizers}
     results = {}
-    for name, factory in optimizer_factories().items():
-        print(f"\n== {name}")
+    for kind in models:
+        data_for_model = prepare(kind, split)
         keras.utils.set_random_seed(seed)
-        model = make_mlp(x_train.shape[1], 10)
-        model.set_weights(initial)
-        model.compile(optimizer=factory(), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
-        start = time.perf_counter()
-        history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
-                            validation_data=(x_val, y_val), verbose=verbose)
-        results[name] = dict(history.history, seconds=time.perf_counter() - start)
-    print_table(results)
+        classes = int(max(split[2].max(), split[3].max())) + 1
+        initial = make_model(kind, data_for_model[0].shape[1:], classes).get_weights()
+        results[kind] = {}
+        for name, factory in chosen.items():
+            print(f"\n== {kind}: {name}")
+            r = train_one(kind, factory, data_for_model, initial, epochs, batch_size, seed,
+                          verbose)
+            reached = _first_reaching(r["val_accuracy"], target_accuracy)
+            r["epochs_to_target"] = None if reached is None else reached + 1
+            r["seconds_to_target"] = None if reached is None else r["seconds"][reached]
+            results[kind][name] = r
+        print_table(kind, results[kind], target_accuracy)
     if output_dir:
-        print(f"\nloss curves saved to {plot_losses(results, output_dir)}")
+        os.makedirs(output_dir, exist_ok=True)
+        for kind, runs in results.items():
+            print(f"plots saved to {plot_curves(kind, runs, output_dir)}")
+        path = os.path.join(output_dir, "results.json")
+        with open(path, "w") as f:
+            json.dump(results, f, indent=1)
+        print(f"results saved to {path}")
     return results
 
 
-def print_table(results):
-    print(f"\n{'optimizer':<14}{'train loss':>12}{'val loss':>10}{'val acc':>9}{'time (s)':>10}")
-    for name, r in results.items():
-        print(f"{name:<14}{r['loss'][-1]:>12.4f}{r['val_loss'][-1]:>10.4f}"
-              f"{r['val_accuracy'][-1]:>9.3f}{r['seconds']:>10.1f}")
+def print_table(kind, runs, target_accuracy):
+    print(f"\n{kind}: final epoch, and first epoch / time with val acc >= {target_accuracy:g}")
+    print(f"{'optimizer':<14}{'train loss':>11}{'val loss':>10}{'val acc':>9}{'time (s)':>10}"
+          f"{'epochs to target':>18}{'s to target':>13}")
+    for name, r in runs.items():
+        epochs = "-" if r["epochs_to_target"] is None else str(r["epochs_to_target"])
+        seconds = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
+        print(f"{name:<14}{r['loss'][-1]:>11.4f}{r['val_loss'][-1]:>10.4f}"
+              f"{r['val_accuracy'][-1]:>9.3f}{r['seconds'][-1]:>10.1f}{epochs:>18}{seconds:>13}")
 
 
-def plot_losses(results, output_dir):
+def plot_curves(kind, runs, output_dir):
+    """Loss and validation accuracy against epochs (top) and wall time (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    os.makedirs(output_dir, exist_ok=True)
-    fig, (train_ax, val_ax) = plt.subplots(1, 2, figsize=(11, 4))
-    for name, r in results.items():
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8))
+    for name, r in runs.items():
         epochs = np.arange(1, len(r["loss"]) + 1)
-        train_ax.plot(epochs, r["loss"], label=name)
-        val_ax.plot(epochs, r["val_loss"], label=name)
-    for ax, title in ((train_ax, "training loss"), (val_ax, "validation loss")):
-        ax.set(title=title, xlabel="epoch", ylabel="cross-entropy", yscale="log")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("digits MLP: optimizers side by side")
+        for row, x in ((0, epochs), (1, r["seconds"])):
+            axes[row, 0].plot(x, r["loss"], label=name)
+            axes[row, 1].plot(x, r["val_accuracy"], label=name)
+    for row, xlabel in ((0, "epoch"), (1, "wall time (s)")):
+        axes[row, 0].set(title="training loss", xlabel=xlabel, ylabel="cross-entropy",
+                         yscale="log")
+        axes[row, 1].set(title="validation accuracy", xlabel=xlabel, ylabel="accuracy")
+        for ax in axes[row]:
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize="small")
+    fig.suptitle(f"{kind}: optimizers side by side")
     fig.tight_layout()
-    path = os.path.join(output_dir, "loss_curves.png")
-    fig.savefig(path, dpi=120)
+    path = os.path.join(output_dir, f"{kind}_curves.png")
+    fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
 
 
+def _names(text):
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tf_msopt compare", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="tf-msopt compare", description=__doc__.splitlines()[0])
+    parser.add_argument("--models", type=_names, default=list(MODELS),
+                        help="comma-separated, from: mlp, cnn (default: both)")
+    parser.add_argument("--optimizers", type=_names, default=None,
+                        help="comma-separated subset (default: all)")
     parser.add_argument("--epochs", type=int, default=15)
     parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--target-accuracy", type=float, default=0.95)
+    parser.add_argument("--data", default=None, help=".npz with x_train, y_train[, x_val, y_val]")
     parser.add_argument("--output-dir", default="demo_output")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    compare(args.epochs, args.batch_size, args.output_dir, args.seed)
+    compare(args.models, args.optimizers, args.epochs, args.batch_size, args.target_accuracy,
+            args.data, args.output_dir, args.seed)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,44 @@
+"""Every optimizer under MultiWorkerMirroredStrategy: two worker processes on localhost train
+with the custom loop of examples/multi_worker.py and end with the weights of single-process
+training on the global batch (DESIGN §6)."""
+import numpy as np
+
+from helpers import run_fresh_python, run_workers
+
+CONFIGS = [(name, loss_scale) for name in ("addsign", "powersign", "lars", "adam_offload", "thor")
+           for loss_scale in (False, True)]
+STEPS = 8
+
+TRAIN_ALL = f"""
+    import json, sys
+    sys.path.insert(0, "examples")
+    import tensorflow as tf
+    import multi_worker
+
+    strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    weights = {{}}
+    for name, loss_scale in {CONFIGS!r}:
+        model = multi_worker.train(strategy, name, loss_scale, steps={STEPS})
+        weights[f"{{name}} loss_scale={{loss_scale}}"] = [w.tolist() for w in model.get_weights()]
+    print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "weights": weights}}))
+"""
+
+
+def test_two_workers_equal_one_process_for_every_optimizer():
+    single = run_fresh_python(TRAIN_ALL, timeout=600)
+    workers = run_workers(TRAIN_ALL, timeout=600)
+    assert single["replicas"] == 1
+    initial = run_fresh_python("""
+        import json, sys
+        sys.path.insert(0, "examples")
+        import multi_worker
+        print(json.dumps([w.tolist() for w in multi_worker.make_model().get_weights()]))
+    """)
+    for result in workers:
+        assert result["replicas"] == 2
+        assert set(result["weights"]) == set(single["weights"]) and len(single["weights"]) == 10
+        for config, expected in single["weights"].items():
+            for got, want, start in zip(result["weights"][config], expected, initial):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=config)
+                # and training moved the weights, so the comparison means something
+                assert np.abs(np.asarray(want) - np.asarray(start)).max() > 1e-4, config

@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?= -n 2
 export TF_CPP_MIN_LOG_LEVEL ?= 2
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test bench docs venv clean
 
 venv: $(STAMP)
 
@@ -33,6 +33,13 @@ test: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python benchmarks/update_step.py
 	$(BIN)/python benchmarks/loss_scale_step.py
+	$(BIN)/python benchmarks/adam_offload_step.py
+	$(BIN)/python benchmarks/thor_step.py
+	$(BIN)/python benchmarks/thor_inverse.py
+
+# The user guide as a site, with the API reference generated from the docstrings.
+docs: $(STAMP)
+	$(BIN)/python -m mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) build *.egg-info demo_output
+	rm -rf $(VENV) build *.egg-info demo_output site

@@ -5,17 +5,68 @@ the installed TensorFlow (``tf.sysconfig``) into ``tf_msopt/ops/_msopt_ops.so``.
 A failed or skipped build is not an error: every feature has a pure-TensorFlow
 path, and ``tf_msopt.ops.custom_ops_available()`` reports which one is in use.
 Set ``TF_MSOPT_BUILD_CUSTOM_OPS=0`` to skip the build.
+
+GPU kernels: with ``TF_MSOPT_BUILD_CUDA=1`` and ``nvcc`` on the PATH (or at
+``$CUDA_HOME/bin/nvcc``), every ``custom_ops/*.cu`` is compiled for
+``TF_MSOPT_CUDA_ARCHS`` (default ``75;80;86;89;90``, CUDA 13 supports sm_75 and
+newer) and linked into the same library, whose sources then see
+``TF_MSOPT_WITH_CUDA``. If any CUDA step fails the CPU-only library is built.
 """
 import glob
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join("custom_ops", "*.cc")))
+CUDA_SOURCES = sorted(glob.glob(os.path.join("custom_ops", "*.cu")))
+DEFAULT_CUDA_ARCHS = "75;80;86;89;90"
+
+
+def find_nvcc():
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = os.path.join(cuda_home, "bin", "nvcc") if cuda_home else None
+    return candidate if candidate and os.path.exists(candidate) else shutil.which("nvcc")
+
+
+def nvcc_command(nvcc, source, output, archs=None):
+    """nvcc compile-only command for one plain-CUDA source (no TensorFlow headers)."""
+    archs = archs or os.environ.get("TF_MSOPT_CUDA_ARCHS", DEFAULT_CUDA_ARCHS)
+    gencode = []
+    for arch in filter(None, (a.strip() for a in archs.split(";"))):
+        gencode += ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+    return [nvcc, "-std=c++17", "-O3", "-c", source, "-o", output, "-Xcompiler", "-fPIC",
+            *gencode]
+
+
+def build_cuda_objects(tf, build_dir):
+    """Compiles the .cu sources: (objects, extra compile flags), or None to build CPU-only."""
+    if os.environ.get("TF_MSOPT_BUILD_CUDA", "0") in ("", "0") or not CUDA_SOURCES:
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        print("tf_msopt: TF_MSOPT_BUILD_CUDA is set but nvcc was not found; building CPU-only",
+              file=sys.stderr)
+        return None
+    objects = []
+    for source in CUDA_SOURCES:
+        output = os.path.join(build_dir, os.path.basename(source) + ".o")
+        try:
+            subprocess.check_call(nvcc_command(nvcc, source, output))
+        except (OSError, subprocess.CalledProcessError) as err:
+            print(f"tf_msopt: CUDA kernels not built ({err}); building CPU-only", file=sys.stderr)
+            return None
+        objects.append(output)
+    # The CUDA runtime headers TensorFlow ships; the runtime itself resolves to
+    # libtensorflow_framework's CUDA shim at load time.
+    cuda_include = os.path.join(tf.sysconfig.get_include(), "third_party", "gpus", "cuda",
+                                "include")
+    return objects, ["-DTF_MSOPT_WITH_CUDA=1", f"-I{cuda_include}"]
 
 
 class TensorFlowBuildExt(build_ext):
@@ -29,11 +80,23 @@ class TensorFlowBuildExt(build_ext):
             return
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
-        command = ["g++", "-std=c++17", "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations",
-                   "-Wno-interference-size", *ext.sources, "-o", out,
-                   *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+
+        def gxx(objects=(), flags=()):
+            return ["g++", "-std=c++17", "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations",
+                    "-Wno-interference-size", *flags, *ext.sources, *objects, "-o", out,
+                    *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+
+        with tempfile.TemporaryDirectory() as build_dir:
+            cuda = build_cuda_objects(tf, build_dir)
+            if cuda is not None:
+                try:
+                    subprocess.check_call(gxx(*cuda))
+                    return
+                except (OSError, subprocess.CalledProcessError) as err:
+                    print(f"tf_msopt: linking the CUDA kernels failed ({err}); building CPU-only",
+                          file=sys.stderr)
         try:
-            subprocess.check_call(command)
+            subprocess.check_call(gxx())
         except (OSError, subprocess.CalledProcessError) as err:
             print(f"tf_msopt: custom ops not built ({err}); the pure-TensorFlow path will be used",
                   file=sys.stderr)

@@ -1,0 +1,286 @@
+"""mso.ops.damped_inverse: the MsOptDampedInverse op and its tf.linalg fallbacks against NumPy."""
+import glob
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_msopt as mso
+from helpers import REPO_ROOT
+from tf_msopt.ops import _loader
+from tf_msopt.ops.inverse import OP_NAME, damped_inverse_with_status, inverse_backend
+
+SOURCE = os.path.join(REPO_ROOT, "custom_ops", "damped_inverse.cc")
+CUDA_SOURCE = os.path.join(REPO_ROOT, "custom_ops", "damped_inverse.cu")
+DAMPING = 0.1
+
+
+def _private_library():
+    """A library with the op: the package's when it has it, else one built from the source.
+
+    The build goes to a temp path named by the source's hash, so xdist workers
+    and later sessions reuse it.
+    """
+    if getattr(_loader.load_custom_ops(), "ms_opt_damped_inverse", None) is not None:
+        return _loader.LIBRARY_PATH
+    with open(SOURCE, "rb") as f:
+        digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    path = os.path.join(tempfile.gettempdir(), "tf_msopt_test_ops", digest, "_msopt_ops.so")
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        partial = f"{path}.{os.getpid()}"
+        subprocess.check_call(["g++", "-std=c++17", "-shared", "-fPIC", "-O3",
+                               "-Wno-deprecated-declarations", "-Wno-interference-size", SOURCE,
+                               "-o", partial, *tf.sysconfig.get_compile_flags(),
+                               *tf.sysconfig.get_link_flags()])
+        os.replace(partial, path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def op_library():
+    return _private_library()
+
+
+@pytest.fixture(params=["custom_op", "tf_linalg"])
+def backend(request, monkeypatch):
+    """Runs a test with the compiled op loaded, then with TF_MSOPT_DISABLE_CUSTOM_OPS=1."""
+    if request.param == "custom_op":
+        library = request.getfixturevalue("op_library")
+        monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+        monkeypatch.setattr(_loader, "LIBRARY_PATH", library)
+        monkeypatch.setattr(_loader, "_state", {"loaded": False, "module": None, "reason": None})
+        assert inverse_backend() == "custom op (CPU)", mso.ops.custom_ops_status()
+    else:
+        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+        assert inverse_backend() == "tf.linalg (custom op not loaded)"
+    return request.param
+
+
+def spd_blocks(batch_shape, n, dtype=np.float32, seed=0):
+    """Well-conditioned SPD blocks X X^T / (2n), X of shape [n, 2n]."""
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(*batch_shape, n, 2 * n))
+    return (x @ np.swapaxes(x, -1, -2) / (2 * n)).astype(dtype)
+
+
+def numpy_inverse(matrices, damping=DAMPING):
+    m = np.asarray(matrices, np.float64)
+    return np.linalg.inv(m + damping * np.eye(m.shape[-1]))
+
+
+def assert_close(actual, expected, rel):
+    """max |actual - expected| <= rel * max |expected| (relative to the blocks' scale)."""
+    actual = np.asarray(actual, np.float64)
+    scale = max(np.abs(expected).max(), 1e-30) if expected.size else 1.0
+    np.testing.assert_allclose(actual, expected, rtol=0, atol=rel * scale)
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+@pytest.mark.parametrize("n", [1, 7, 64, 128, 200])
+def test_matches_numpy_float32(backend, batch, n):
+    matrices = spd_blocks([batch], n)
+    expected = numpy_inverse(matrices)
+    inverses, ok = damped_inverse_with_status(matrices, DAMPING)
+    assert inverses.dtype == tf.float32 and inverses.shape == (batch, n, n)
+    assert ok.shape == (batch,) and bool(tf.reduce_all(ok))
+    assert_close(inverses, expected, 1e-5)
+    assert_close(mso.ops.damped_inverse(matrices, DAMPING), expected, 1e-5)
+
+
+@pytest.mark.parametrize("n", [1, 7, 9, 64, 130])
+def test_matches_numpy_float64(backend, n):
+    matrices = spd_blocks([3], n, np.float64)
+    inverses = mso.ops.damped_inverse(matrices, tf.constant(DAMPING, tf.float64))
+    assert inverses.dtype == tf.float64
+    assert_close(inverses, numpy_inverse(matrices), 1e-12)
+
+
+def test_batch_shapes_and_symmetric_result(backend):
+    matrices = spd_blocks([2, 3], 20)
+    inverses, ok = damped_inverse_with_status(matrices, DAMPING)
+    assert inverses.shape == (2, 3, 20, 20) and ok.shape == (2, 3)
+    np.testing.assert_array_equal(inverses.numpy(), np.swapaxes(inverses.numpy(), -1, -2))
+    single, single_ok = damped_inverse_with_status(matrices[1, 2], DAMPING)
+    assert single.shape == (20, 20) and single_ok.shape == () and bool(single_ok)
+    assert_close(single, numpy_inverse(matrices[1, 2]), 1e-5)
+
+
+def test_reads_only_the_lower_triangle(backend):
+    matrices = spd_blocks([4], 40)
+    upper = np.triu(np.ones((40, 40), np.float32), k=1)
+    noisy = matrices + 5.0 * upper  # not symmetric any more; the lower triangle is unchanged
+    assert_close(mso.ops.damped_inverse(noisy, DAMPING), numpy_inverse(matrices), 1e-5)
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 5), (3, 0, 0)])
+def test_empty_batches_and_blocks(backend, shape):
+    inverses, ok = damped_inverse_with_status(np.zeros(shape, np.float32), DAMPING)
+    assert inverses.shape == shape and ok.shape == shape[:1]
+    assert bool(tf.reduce_all(ok))
+
+
+def _blocks_with_failures(n):
+    """Blocks 1 (NaN), 2 (Inf in the upper triangle) and 4 (indefinite) fail; 0 and 3 are SPD."""
+    matrices = spd_blocks([5], n)
+    matrices[1, n - 1, 0] = np.nan
+    matrices[2, 0, n - 1] = np.inf
+    matrices[4] -= 3.0 * np.eye(n, dtype=np.float32)
+    return matrices, np.array([True, False, False, True, False])
+
+
+@pytest.mark.parametrize("n", [3, 50])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_failed_blocks_are_flagged_and_zeroed(backend, n, compiled):
+    matrices, expected_ok = _blocks_with_failures(n)
+    run = tf.function(damped_inverse_with_status, jit_compile=True) if compiled else \
+        damped_inverse_with_status
+    inverses, ok = run(matrices, DAMPING)
+    np.testing.assert_array_equal(ok.numpy(), expected_ok)
+    np.testing.assert_array_equal(inverses.numpy()[~expected_ok], 0.0)
+    assert_close(inverses.numpy()[expected_ok], numpy_inverse(matrices[expected_ok]), 1e-5)
+
+
+def test_non_finite_or_negative_damping_fails_every_block(backend):
+    matrices = spd_blocks([3], 10)
+    for damping in (np.nan, np.inf, -50.0):
+        inverses, ok = damped_inverse_with_status(matrices, damping)
+        assert not np.any(ok.numpy()) and not np.any(inverses.numpy())
+
+
+def test_overflowing_inverse_is_a_failure(backend):
+    tiny = np.full((1, 1, 1), 1e-45, np.float32)  # PD, but 1 / 1e-45 overflows float32
+    inverses, ok = damped_inverse_with_status(tiny, 0.0)
+    assert not bool(ok[0]) and inverses.numpy()[0, 0, 0] == 0.0
+
+
+def test_damped_inverse_raises_for_failed_blocks(backend):
+    matrices, _ = _blocks_with_failures(8)
+    message = "must be finite and positive definite"
+    for bad in (matrices[1:2], matrices[4:5]):
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            mso.ops.damped_inverse(bad, DAMPING)
+        with pytest.raises(tf.errors.InvalidArgumentError, match=message):
+            tf.function(mso.ops.damped_inverse)(bad, DAMPING)
+
+
+def test_damped_inverse_under_xla_gives_nan_blocks(backend):
+    matrices, expected_ok = _blocks_with_failures(8)
+    inverses = tf.function(mso.ops.damped_inverse, jit_compile=True)(matrices, DAMPING).numpy()
+    assert np.isnan(inverses[~expected_ok]).all()
+    assert_close(inverses[expected_ok], numpy_inverse(matrices[expected_ok]), 1e-5)
+
+
+def test_graph_uses_the_op_and_xla_uses_tf_linalg(backend):
+    matrices = tf.constant(spd_blocks([4], 16))
+    seen = []
+
+    def step(m):
+        seen.append(inverse_backend())
+        return damped_inverse_with_status(m, DAMPING)
+
+    graph = tf.function(step).get_concrete_function(matrices).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert (OP_NAME in op_types) == (backend == "custom_op")
+    xla_result, _ = tf.function(step, jit_compile=True)(matrices)
+    assert seen[-1] == "tf.linalg (XLA)"
+    assert_close(xla_result, numpy_inverse(matrices.numpy()), 1e-5)
+
+
+def test_mirrored_strategy_replica_and_cross_replica(backend, two_cpu_strategy):
+    matrices = spd_blocks([2, 3], 12)
+    with two_cpu_strategy.scope():
+        per_replica = two_cpu_strategy.experimental_distribute_values_from_function(
+            lambda context: tf.constant(matrices[context.replica_id_in_sync_group]))
+        step = tf.function(lambda m: damped_inverse_with_status(m, DAMPING))
+        results = two_cpu_strategy.run(step, args=(per_replica,))
+        cross_replica, _ = damped_inverse_with_status(matrices, DAMPING)
+    for replica, (inverses, ok) in enumerate(zip(*(two_cpu_strategy.experimental_local_results(r)
+                                                   for r in results))):
+        assert bool(tf.reduce_all(ok))
+        assert_close(inverses, numpy_inverse(matrices[replica]), 1e-5)
+    assert_close(cross_replica, numpy_inverse(matrices), 1e-5)
+
+
+@pytest.mark.parametrize("matrices, damping, error, match", [
+    (np.ones(4, np.float32), 0.1, ValueError, "'matrices' must have rank >= 2"),
+    (np.ones((2, 3, 4), np.float32), 0.1, ValueError, "'matrices' must be square"),
+    (np.ones((2, 2), np.int32), 0.1, TypeError, "'matrices' must be a float32 or float64"),
+    (np.ones((2, 2), np.float16), 0.1, TypeError, "'matrices' must be a float32 or float64"),
+    (np.eye(2, dtype=np.float32), True, TypeError, "'damping' must be a real number"),
+    (np.eye(2, dtype=np.float32), "0.1", TypeError, "'damping' must be a real number"),
+    (np.eye(2, dtype=np.float32), np.ones(2), ValueError, "'damping' must be a scalar"),
+])
+def test_malformed_arguments_name_the_argument(backend, matrices, damping, error, match):
+    for function in (mso.ops.damped_inverse, damped_inverse_with_status):
+        with pytest.raises(error, match=match):
+            function(matrices, damping)
+
+
+def test_op_contract_without_the_wrapper(op_library):
+    module = tf.load_op_library(op_library)
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"shape \[\.\.\., n, n\]"):
+        module.ms_opt_damped_inverse(np.ones((2, 3), np.float32), np.float32(0.1))
+    with pytest.raises(ValueError, match="must be equal|Dimensions"):  # the shape function
+        tf.function(module.ms_opt_damped_inverse).get_concrete_function(
+            tf.TensorSpec([None, 3, 4], tf.float32), tf.TensorSpec([], tf.float32))
+    concrete = tf.function(module.ms_opt_damped_inverse).get_concrete_function(
+        tf.TensorSpec([None, 5, None], tf.float32), tf.TensorSpec([], tf.float32))
+    assert [o.shape.as_list() for o in concrete.structured_outputs] == [[None, 5, 5], [None]]
+
+
+@pytest.mark.parametrize("isa", ["generic", "avx2", "avx512"])
+@pytest.mark.parametrize("dtype, rel", [(np.float32, 1e-5), (np.float64, 1e-12)])
+def test_every_cpu_code_path_gives_the_same_numbers(op_library, monkeypatch, isa, dtype, rel):
+    """The AVX-512 / AVX2 / baseline builds of the tiled kernel, capped by TF_MSOPT_INVERSE_ISA."""
+    module = tf.load_op_library(op_library)
+    matrices = spd_blocks([6], 70, dtype)
+    monkeypatch.setenv("TF_MSOPT_INVERSE_ISA", isa)
+    inverses, ok = module.ms_opt_damped_inverse(matrices, dtype(DAMPING))
+    assert bool(tf.reduce_all(ok))
+    assert_close(inverses, numpy_inverse(matrices), rel)
+
+
+def _nvcc():
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        # CI sets TF_MSOPT_REQUIRE_NVCC=1: there a broken CUDA file must fail, never skip.
+        assert not os.environ.get("TF_MSOPT_REQUIRE_NVCC"), "nvcc is required but not on PATH"
+        pytest.skip("nvcc is not installed")
+    return nvcc
+
+
+def test_nvcc_compiles_the_cuda_kernel(tmp_path):
+    """CI has no GPU: compile-only for the oldest and the newest targets CUDA 13 supports here."""
+    result = subprocess.run(
+        [_nvcc(), "-std=c++17", "-O3", "-c", CUDA_SOURCE, "-o", str(tmp_path / "kernel.o"),
+         "-Xcompiler", "-fPIC", "-gencode", "arch=compute_75,code=sm_75",
+         "-gencode", "arch=compute_90,code=sm_90"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "kernel.o").stat().st_size > 0
+
+
+def test_setup_builds_cpu_only_when_the_cuda_build_fails(tmp_path):
+    """A failing nvcc (an architecture CUDA 13 dropped) must not fail the build."""
+    _nvcc()
+    for name in ("setup.py", "pyproject.toml"):
+        shutil.copy(os.path.join(REPO_ROOT, name), tmp_path)
+    (tmp_path / "custom_ops").mkdir()
+    for source in glob.glob(os.path.join(REPO_ROOT, "custom_ops", "damped_inverse*")):
+        shutil.copy(source, tmp_path / "custom_ops")
+    (tmp_path / "tf_msopt" / "ops").mkdir(parents=True)
+    env = dict(os.environ, TF_MSOPT_BUILD_CUDA="1", TF_MSOPT_CUDA_ARCHS="70")
+    result = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", "out"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "building CPU-only" in result.stderr
+    library = tmp_path / "out" / "tf_msopt" / "ops" / "_msopt_ops.so"
+    symbols = subprocess.run(["nm", "-D", str(library)], capture_output=True, text=True).stdout
+    assert "msopt_damped_inverse_f32" not in symbols  # no GPU kernel linked in
+    assert "MsOptDampedInverse" in open(library, "rb").read().decode("latin-1")

@@ -1,8 +1,10 @@
-"""Schedules: per-step arrays (MindSpore's 1-D learning rates) and sign decays.
+"""Schedules: per-step arrays (MindSpore's 1-D learning rates), THOR's model-zoo
+learning rate and damping, and sign decays.
 
-All are ``keras.optimizers.schedules.LearningRateSchedule`` subclasses registered
-under the ``tf_msopt`` package, so they serialize with the optimizer and load
-with ``keras.models.load_model(safe_mode=True)``.
+The classes are ``keras.optimizers.schedules.LearningRateSchedule`` subclasses
+registered under the ``tf_msopt`` package, so they serialize with the optimizer
+and load with ``keras.models.load_model(safe_mode=True)``. ``thor_lr`` and
+``thor_damping`` return per-step arrays, as MindSpore's model zoo does.
 """
 import math
 
@@ -13,7 +15,8 @@ import tensorflow as tf
 from tf_msopt._common import register
 from tf_msopt._validation import check_float, check_int, check_number_range
 
-__all__ = ["PerStepSchedule", "LinearSignDecay", "CosineSignDecay", "RestartSignDecay"]
+__all__ = ["PerStepSchedule", "LinearSignDecay", "CosineSignDecay", "RestartSignDecay",
+           "thor_damping", "thor_lr"]
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -145,3 +148,59 @@ class RestartSignDecay(_PeriodicSignDecay):
         if self.zero_after is not None:
             decayed = tf.where(cycles / float(self.decay_steps) >= self.zero_after, 0.0, decayed)
         return decayed
+
+
+def _thor_steps(global_step, total_epochs, steps_per_epoch, owner):
+    """Checks the shared arguments; returns ``(first step, epoch reached after each step)``."""
+    global_step = check_int(global_step, "global_step", owner, min_value=0)
+    total_epochs = check_int(total_epochs, "total_epochs", owner, min_value=1)
+    steps_per_epoch = check_int(steps_per_epoch, "steps_per_epoch", owner, min_value=1)
+    epochs = np.arange(1, total_epochs * steps_per_epoch + 1, dtype=np.float64) / steps_per_epoch
+    return global_step, epochs
+
+
+def thor_lr(global_step, lr_init, decay, total_epochs, steps_per_epoch, decay_epochs=100):
+    """THOR's learning rate per step, as MindSpore's model zoo (ResNet-50) makes it.
+
+    For step ``i`` with ``e = (i + 1) / steps_per_epoch`` the epoch it completes::
+
+        lr[i] = lr_init * (1 - e / total_epochs) ** decay
+                * (0.5 if e >= decay_epochs) * (0.5 if e >= decay_epochs + 1)
+
+    Args:
+        global_step: the first step returned (resuming at ``global_step``).
+        lr_init: the initial rate.
+        decay: the polynomial power.
+        total_epochs: epochs over which the rate reaches 0.
+        steps_per_epoch: steps in one epoch.
+        decay_epochs: the epoch from which the rate is halved, and halved again
+            one epoch later.
+
+    Returns:
+        float32 array of ``total_epochs * steps_per_epoch - global_step`` rates,
+        ready to pass as THOR's ``learning_rate`` (entry ``i`` used at step ``i``).
+    """
+    owner = "thor_lr"
+    start, epochs = _thor_steps(global_step, total_epochs, steps_per_epoch, owner)
+    lr_init = check_float(lr_init, "lr_init", owner)
+    decay = check_float(decay, "decay", owner)
+    decay_epochs = check_float(decay_epochs, "decay_epochs", owner)
+    rates = lr_init * (1.0 - epochs / total_epochs) ** decay
+    rates = np.where(epochs >= decay_epochs, 0.5 * rates, rates)
+    rates = np.where(epochs >= decay_epochs + 1, 0.5 * rates, rates)
+    return rates.astype(np.float32)[start:]
+
+
+def thor_damping(global_step, damping_init, decay_rate, total_epochs, steps_per_epoch):
+    """THOR's damping per step, as MindSpore's model zoo (ResNet-50) makes it::
+
+        damping[i] = damping_init * decay_rate ** (((i + 1) / steps_per_epoch) / 10)
+
+    Arguments as :func:`thor_lr`. Returns a float32 array from ``global_step`` on,
+    ready to pass as THOR's ``damping``.
+    """
+    owner = "thor_damping"
+    start, epochs = _thor_steps(global_step, total_epochs, steps_per_epoch, owner)
+    damping_init = check_float(damping_init, "damping_init", owner)
+    decay_rate = check_float(decay_rate, "decay_rate", owner)
+    return (damping_init * decay_rate ** (epochs / 10.0)).astype(np.float32)[start:]

@@ -1,0 +1,144 @@
+"""THOR's construction: MindSpore's validation rules, the report, config and connection."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_msopt as mso
+
+
+def small_model():
+    return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="fc"),
+                             keras.layers.Dense(2, name="head")])
+
+
+# -- validation (reference §2.1, plus the arguments MindSpore does not check) ------------------
+
+@pytest.mark.parametrize("kwargs, error, argument", [
+    (dict(loss_scale="2"), TypeError, "loss_scale"),
+    (dict(loss_scale=0.0), ValueError, "loss_scale"),
+    (dict(weight_decay=-1.0), ValueError, "weight_decay"),
+    (dict(weight_decay="0"), TypeError, "weight_decay"),
+    (dict(momentum=1), TypeError, "momentum"),            # an int is rejected, as in MindSpore
+    (dict(momentum=-0.1), ValueError, "momentum"),
+    (dict(frequency=2.0), TypeError, "frequency"),
+    (dict(frequency=1), ValueError, "frequency"),
+    (dict(learning_rate="0.1"), TypeError, "learning_rate"),
+    (dict(learning_rate=np.zeros((2, 2))), ValueError, "learning_rate"),
+    (dict(use_nesterov=1), TypeError, "use_nesterov"),
+    (dict(damping="0.1"), TypeError, "damping"),
+    (dict(damping=-0.1), ValueError, "damping"),
+    (dict(damping=[0.1, -1.0]), ValueError, "damping"),
+    (dict(batch_size=0), ValueError, "batch_size"),
+    (dict(batch_size=32.0), TypeError, "batch_size"),
+    (dict(block_size=0), ValueError, "block_size"),
+    (dict(split_indices="0"), TypeError, "split_indices"),
+    (dict(split_indices=[3, 1]), ValueError, "split_indices"),
+    (dict(enable_clip_grad=1), TypeError, "enable_clip_grad"),
+    (dict(decay_filter="bias"), TypeError, "decay_filter"),
+    (dict(use_ema=True), ValueError, "use_ema"),
+])
+def test_bad_arguments_raise_mindspore_types(kwargs, error, argument):
+    args = dict(learning_rate=0.1, damping=0.03, momentum=0.9)
+    args.update(kwargs)
+    with pytest.raises(error, match=argument):
+        mso.thor(small_model(), **args)
+
+
+def test_accepted_forms():
+    optimizer = mso.thor(small_model(), tf.constant([0.1, 0.05]), [0.03, 0.02], 0.9,
+                         loss_scale=128, weight_decay=0, block_size=None, split_indices=[0])
+    assert optimizer.loss_scale == 128.0 and optimizer.block_size is None
+    assert isinstance(optimizer.damping, mso.schedules.PerStepSchedule)
+    assert isinstance(optimizer, mso.THOR) and isinstance(optimizer, keras.optimizers.Optimizer)
+
+
+def test_model_must_be_built():
+    model = keras.Sequential([keras.layers.Dense(2)])
+    with pytest.raises(ValueError, match="built"):
+        mso.thor(model, 0.1, 0.03, 0.9)
+
+
+# -- the report --------------------------------------------------------------------------------
+
+class OwnCallDense(keras.layers.Dense):
+    def call(self, inputs):
+        return super().call(inputs) * 2.0
+
+
+def test_report_names_every_variable_and_why():
+    model = keras.Sequential([
+        keras.Input((6, 6, 2)),
+        keras.layers.Conv2D(4, 3, name="conv"),
+        keras.layers.BatchNormalization(name="bn"),
+        keras.layers.DepthwiseConv2D(3, name="depthwise"),
+        keras.layers.Flatten(),
+        OwnCallDense(5, name="own_call"),
+        keras.layers.LayerNormalization(name="ln"),
+        keras.layers.Dense(2, name="head"),
+    ])
+    report = mso.thor(model, 0.1, 0.03, 0.9).report()
+    text = str(report)
+    assert {row.variable for row in report.rows} == {v.path for v in model.trainable_variables}
+    for variable in model.trainable_variables:
+        assert variable.path in text
+    assert sorted(report.preconditioned) == sorted(
+        v.path for v in model.trainable_variables
+        if v.path.endswith(("conv/kernel", "head/kernel", "ln/gamma", "ln/beta")))
+    reasons = report.first_order
+    assert "BatchNormalization" in reasons[model.get_layer("bn").gamma.path]
+    assert "DepthwiseConv2D" in reasons[model.get_layer("depthwise").kernel.path]
+    assert "overrides call()" in reasons[model.get_layer("own_call").kernel.path]
+    assert "kernel only" in reasons[model.get_layer("head").bias.path]
+    assert "A 18x18 in 1 block(s), G 4x4 in 1 block(s)" in text
+    assert report.inverse_backend in text and report.connected
+
+
+# -- config, connection ------------------------------------------------------------------------
+
+def test_config_round_trip():
+    optimizer = mso.thor(small_model(), np.array([0.1, 0.05]), mso.schedules.PerStepSchedule(
+        [0.03, 0.02]), 0.8, weight_decay=1e-4, loss_scale=4.0, batch_size=16,
+        use_nesterov=True, decay_filter=["bias"], split_indices=[0], enable_clip_grad=True,
+        frequency=5, block_size=64)
+    config = optimizer.get_config()
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert type(restored) is mso.THOR
+    assert restored.get_config() == config
+    assert config["layers"] == [
+        {"layer": "fc", "kind": "dense", "variables": ["kernel"], "a_dim": 4, "g_dim": 3},
+        {"layer": "head", "kind": "dense", "variables": ["kernel"], "a_dim": 3, "g_dim": 2}]
+
+
+@pytest.mark.parametrize("kwargs, argument", [
+    (dict(decay_filter=lambda v: True), "decay_filter"),
+    (dict(damping=lambda: 0.1), "damping"),
+])
+def test_unsaveable_callables_say_so(kwargs, argument):
+    args = dict(learning_rate=0.1, damping=0.03, momentum=0.9)
+    args.update(kwargs)
+    optimizer = mso.thor(small_model(), **args)
+    with pytest.raises(ValueError, match=argument):
+        optimizer.get_config()
+
+
+def test_unconnected_thor_raises_at_first_step():
+    model = small_model()
+    optimizer = mso.THOR.from_config(mso.thor(model, 0.1, 0.03, 0.9).get_config())
+    model.compile(optimizer=optimizer, loss="mse")
+    with pytest.raises(RuntimeError, match="not connected"):
+        model.train_on_batch(np.ones((2, 4), "float32"), np.ones((2, 2), "float32"))
+    assert "NOT CONNECTED" in str(optimizer.report())
+    mso.thor.connect(model)
+    model.train_on_batch(np.ones((2, 4), "float32"), np.ones((2, 2), "float32"))
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+def test_connect_refuses_another_model():
+    optimizer = mso.thor(small_model(), 0.1, 0.03, 0.9)
+    other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="fc"),
+                              keras.layers.Dense(2, name="head")])
+    with pytest.raises(ValueError, match="do not match"):
+        optimizer.connect(other)
+    with pytest.raises(ValueError, match="no THOR optimizer"):
+        mso.thor.connect(other)

@@ -1,0 +1,86 @@
+"""THOR under MirroredStrategy (two logical CPUs) equals one device on the global batch."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import run_workers
+from test_thor_training import assert_weights_close, mixed_data, mixed_model
+
+import tf_msopt as mso
+
+
+def train(strategy, wrap=None, split_indices=None, steps=6):
+    """``steps`` steps of 16 examples, frequency 3: THOR steps 0 and 3, four stale steps."""
+    with strategy.scope():
+        model = mixed_model()
+        optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4,
+                             split_indices=split_indices, weight_decay=1e-3,
+                             use_nesterov=True)
+        model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse")
+    x, y = mixed_data(16 * steps)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights(), optimizer
+
+
+def test_two_replicas_equal_one_device(two_cpu_strategy):
+    """With a LossScaleOptimizer around THOR and two all-reduce buckets."""
+    wrap = lambda optimizer: mso.LossScaleOptimizer(optimizer, 2.0 ** 8)  # noqa: E731
+    single, _ = train(tf.distribute.get_strategy(), wrap, split_indices=[0])
+    keras.backend.clear_session()
+    mirrored, optimizer = train(two_cpu_strategy, wrap, split_indices=[0])
+    assert_weights_close(mirrored, single, rtol=1e-5)
+    # Every replica holds the same inverses.
+    for variable in optimizer.a_inverses + optimizer.g_inverses:
+        first, second = (v.numpy() for v in variable.value.values)
+        np.testing.assert_array_equal(first, second)
+
+
+MULTI_WORKER = """
+import json, sys
+sys.path.insert(0, "tests")
+import keras, numpy as np, tensorflow as tf
+import tf_msopt as mso
+from test_thor_distributed import custom_loop_weights
+strategy = tf.distribute.MultiWorkerMirroredStrategy()
+worker = strategy.cluster_resolver.task_id
+weights = custom_loop_weights(strategy, shard=worker)
+print(json.dumps({"replicas": strategy.num_replicas_in_sync,
+                  "weights": [w.tolist() for w in weights]}))
+"""
+
+
+def custom_loop_weights(strategy, shard=None, steps=6, batch=16):
+    """A custom loop (``strategy.run``) on global batches of ``batch``; with ``shard``, this
+    worker feeds its half of each batch."""
+    with strategy.scope():
+        model = mixed_model()
+        optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(inputs, targets):
+        def replica_step(inputs, targets):
+            with tf.GradientTape() as tape:
+                per_example = tf.reduce_mean(tf.square(model(inputs, training=True) - targets),
+                                             axis=-1)
+                loss = tf.nn.compute_average_loss(per_example, global_batch_size=batch)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+        strategy.run(replica_step, args=(inputs, targets))
+
+    x, y = mixed_data(batch * steps)
+    for i in range(steps):
+        rows = slice(batch * i, batch * (i + 1))
+        if shard is not None:
+            half = batch // 2
+            rows = slice(batch * i + half * shard, batch * i + half * (shard + 1))
+        step([x[0][rows], x[1][rows]], y[rows])
+    return model.get_weights()
+
+
+@pytest.mark.slow
+def test_two_workers_equal_one_device():
+    single = custom_loop_weights(tf.distribute.get_strategy())
+    for result in run_workers(MULTI_WORKER):
+        assert result["replicas"] == 2
+        assert_weights_close([np.asarray(w) for w in result["weights"]], single, rtol=1e-5)

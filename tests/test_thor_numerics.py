@@ -1,0 +1,286 @@
+"""THOR against the NumPy reference of DESIGN §4.5, golden values of the reference §2.11."""
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+import thor_reference as ref
+
+import tf_msopt as mso
+from tf_msopt.ops._loader import DISABLE_ENV
+from tf_msopt.thor import blocks
+
+STEPS = 5
+FREQUENCY = 2          # THOR steps 0, 2, 4; stale steps 1, 3
+BATCH = 8
+LEARNING_RATES = [0.05, 0.04, 0.03, 0.03, 0.02]
+DAMPINGS = [0.04, 0.03, 0.02, 0.02, 0.01]
+
+
+@pytest.fixture(params=["custom ops enabled", "pure TensorFlow"])
+def inverse_path(request, monkeypatch):
+    """Both inverse back-ends: whatever the op library offers, and the kill switch."""
+    if request.param == "pure TensorFlow":
+        monkeypatch.setenv(DISABLE_ENV, "1")
+    else:
+        monkeypatch.delenv(DISABLE_ENV, raising=False)
+    return request.param
+
+
+def _dense_model():
+    return keras.Sequential([keras.Input((5,)),
+                             keras.layers.Dense(6, activation="tanh", name="fc1"),
+                             keras.layers.Dense(3, name="head")])
+
+
+def _conv_model(padding):
+    return keras.Sequential([keras.Input((7, 7, 2)),
+                             keras.layers.Conv2D(3, 3, strides=2, padding=padding,
+                                                 activation="tanh", name="conv"),
+                             keras.layers.Flatten(),
+                             keras.layers.Dense(2, name="head")])
+
+
+def _embedding_model():
+    return keras.Sequential([keras.Input((3,), dtype="int32"),
+                             keras.layers.Embedding(10, 4, name="emb"),
+                             keras.layers.Flatten(),
+                             keras.layers.Dense(2, name="head")])
+
+
+def _layer_norm_model():
+    return keras.Sequential([keras.Input((5,)),
+                             keras.layers.Dense(6, name="fc1"),
+                             keras.layers.LayerNormalization(name="ln"),
+                             keras.layers.Dense(2, name="head")])
+
+
+MODELS = {
+    "dense": (_dense_model, lambda rng: rng.normal(size=(BATCH, 5)), 3),
+    "conv_same": (lambda: _conv_model("same"), lambda rng: rng.normal(size=(BATCH, 7, 7, 2)), 2),
+    "conv_valid": (lambda: _conv_model("valid"), lambda rng: rng.normal(size=(BATCH, 7, 7, 2)),
+                   2),
+    "embedding": (_embedding_model, lambda rng: rng.integers(0, 10, size=(BATCH, 3)), 2),
+    "layer_norm": (_layer_norm_model, lambda rng: rng.normal(size=(BATCH, 5)), 2),
+}
+
+
+def reference_network(model):
+    """The NumPy twin of a Keras model, with its current weights."""
+    layers = []
+    for layer in model.layers:
+        weights = [w.numpy() for w in layer.weights]
+        if isinstance(layer, keras.layers.Dense):
+            layers.append(ref.Dense(layer.name, *weights, activation=layer.activation.__name__))
+        elif isinstance(layer, keras.layers.Conv2D):
+            layers.append(ref.Conv2D(layer.name, *weights, layer.strides, layer.padding,
+                                     activation=layer.activation.__name__))
+        elif isinstance(layer, keras.layers.Embedding):
+            layers.append(ref.Embedding(layer.name, *weights))
+        elif isinstance(layer, keras.layers.LayerNormalization):
+            layers.append(ref.LayerNorm(layer.name, *weights, epsilon=layer.epsilon))
+        else:
+            layers.append(ref.Flatten())
+    return ref.Network(layers)
+
+
+def keras_weights(model):
+    return {f"{layer.name}/{w.name}": w.numpy() for layer in model.layers for w in layer.weights}
+
+
+def batches(make_inputs, outputs, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(STEPS):
+        x = make_inputs(rng)
+        x = x.astype("int32") if x.dtype.kind == "i" else x.astype("float32")
+        yield x, rng.normal(size=(BATCH, outputs)).astype("float32")
+
+
+OPTIONS = {
+    "momentum": dict(),
+    "nesterov_decay_clip": dict(use_nesterov=True, weight_decay=0.01, enable_clip_grad=True),
+}
+
+
+@pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
+@pytest.mark.parametrize("name", MODELS.keys())
+def test_matches_numpy_reference(name, options):
+    build, make_inputs, outputs = MODELS[name]
+    model = build()
+    network = reference_network(model)
+    decay_excludes = ["bias"] if options.get("weight_decay") else None
+    optimizer = mso.thor(model, np.array(LEARNING_RATES), np.array(DAMPINGS), 0.9,
+                         frequency=FREQUENCY, block_size=4, decay_filter=decay_excludes,
+                         **options)
+    model.compile(optimizer=optimizer, loss="mse")
+    reference = ref.ThorReference(
+        network, LEARNING_RATES.__getitem__, DAMPINGS.__getitem__, 0.9, frequency=FREQUENCY,
+        block_size=4, decay=lambda path: "bias" not in path, **options)
+    for step, (x, y) in enumerate(batches(make_inputs, outputs)):
+        model.train_on_batch(x, y)
+        reference.step(x.astype(np.int64) if x.dtype.kind == "i" else x.astype(np.float64), y)
+        got, want = keras_weights(model), network.weights()
+        for key in want:
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"{key} after step {step}")
+    assert int(optimizer.failed_inverses.numpy()) == 0
+
+
+def test_inverse_backends_agree(monkeypatch):
+    """The op library's inverse (when loaded) and the pure-TF path give the same training."""
+    def train():
+        keras.utils.set_random_seed(0)
+        model = _conv_model("same")
+        optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=FREQUENCY, block_size=4)
+        model.compile(optimizer=optimizer, loss="mse")
+        for x, y in batches(MODELS["conv_same"][1], 2):
+            model.train_on_batch(x, y)
+        return keras_weights(model)
+
+    monkeypatch.delenv(DISABLE_ENV, raising=False)
+    with_ops = train()
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    keras.backend.clear_session()
+    pure = train()
+    for key in pure:
+        np.testing.assert_allclose(with_ops[key], pure[key], rtol=1e-5, atol=1e-6, err_msg=key)
+
+
+# -- golden values, reference §2.11 and §2.7 -------------------------------------------------
+
+def test_t4_layer_norm_rule():
+    """T4: g / (g*g/32 + sqrt(0.01)) with the batch_size argument before any batch is seen."""
+    model = keras.Sequential([keras.Input((4,)), keras.layers.LayerNormalization(name="ln")])
+    optimizer = mso.thor(model, 1.0, 0.01, 0.0, batch_size=32)
+    gamma, beta = model.trainable_variables
+    optimizer.build(model.trainable_variables)
+    grad = tf.constant([0.5, -0.2, 0.0, 3.0])
+    optimizer.apply([grad, grad], [gamma, beta])
+    np.testing.assert_allclose(1.0 - gamma.numpy(), [4.637681, -1.975309, 0.0, 7.868852],
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("block_size, diagonal, off_diagonal, cross", [
+    (128, [0.49621212] * 128 + [0.41666667] * 2, -0.5 / (2 * 66), 0.0),    # T5
+    (None, [0.49626866] * 130, -0.00373134, -0.00373134),                    # full inverse
+])
+def test_t5_block_split(block_size, diagonal, off_diagonal, cross):
+    """T5: M = 2I + 0.5*11^T, n = 130: blocks of 128 + 2, off-diagonal blocks dropped."""
+    n = 130
+    matrix = 2.0 * np.eye(n) + 0.5
+    layout = blocks.BlockLayout.of(n, block_size)
+    padded = np.eye(layout.count * layout.size)
+    padded[:n, :n] = matrix
+    diagonal_blocks = np.stack([padded[i * layout.size:(i + 1) * layout.size,
+                                       i * layout.size:(i + 1) * layout.size]
+                                for i in range(layout.count)])
+    inverse, retried, kept = blocks.robust_inverse(
+        tf.constant(diagonal_blocks, tf.float32), 0.0, tf.zeros(layout.shape))
+    full = blocks.left_multiply(inverse, layout, tf.eye(n)).numpy()
+    np.testing.assert_allclose(np.diag(full), diagonal, rtol=1e-5)
+    np.testing.assert_allclose(full[0, 1], off_diagonal, rtol=1e-4)
+    np.testing.assert_allclose(full[0, 129], cross, atol=1e-7)
+    assert int(retried) == int(kept) == 0
+
+
+def test_model_zoo_schedules():
+    """Reference §2.7: the toy values and the ResNet-50 configurations (Ascend, GPU)."""
+    np.testing.assert_allclose(mso.schedules.thor_lr(0, 0.1, 2.0, 2, 3, decay_epochs=1),
+                               [0.0694444, 0.0444444, 0.0125, 0.0055556, 0.0013889, 0.0],
+                               rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(mso.schedules.thor_damping(0, 0.03, 0.5, 2, 3),
+                               [0.0293148, 0.0286452, 0.0279910, 0.0273517, 0.0267270,
+                                0.0261165], rtol=1e-5)
+    steps = [0, 5003, 50039, 195155]
+    for lr_args, damping_args, lrs, dampings in [
+        ((0.05803, 4.0839), (0.03, 0.50036), [0.0580291, 0.0536869, 0.0247061, 0.000126335],
+         [0.0299996, 0.0279930, 0.0150108, 0.00201522]),
+        ((0.05672, 4.9687), (0.02345, 0.5467), [0.0567189, 0.0513028, 0.0187163, 1.5325e-05],
+         [0.0234497, 0.0220759, 0.0128201, 0.00222518]),
+    ]:
+        total = 53 if lr_args[0] == 0.05803 else 50
+        lr = mso.schedules.thor_lr(0, *lr_args, total, 5004, decay_epochs=39)
+        damping = mso.schedules.thor_damping(0, *damping_args, 70, 5004)
+        np.testing.assert_allclose(lr[steps], lrs, rtol=1e-5)
+        np.testing.assert_allclose(damping[steps], dampings, rtol=1e-5)
+    resumed = mso.schedules.thor_lr(4, 0.1, 2.0, 2, 3, decay_epochs=1)
+    np.testing.assert_allclose(resumed, [0.0013889, 0.0], atol=1e-7)
+    assert resumed.dtype == np.float32
+
+
+# -- building blocks ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.Conv2D(3, (3, 2), strides=(2, 1), padding="same", dilation_rate=1), (2, 7, 6, 2)),
+    (keras.layers.Conv2D(3, 3, padding="same", dilation_rate=2), (2, 7, 6, 2)),
+    (keras.layers.Conv2D(3, 2, strides=2, padding="valid", data_format="channels_first"),
+     (2, 2, 7, 6)),
+    (keras.layers.Conv1D(3, 3, strides=2, padding="same"), (2, 9, 2)),
+])
+def test_conv_patches_reproduce_the_convolution(layer, shape):
+    """patches @ kernel.reshape(-1, filters) is the layer's output: rows in kernel order."""
+    from tf_msopt.thor.capture import conv_patches
+
+    layer.use_bias = False
+    x = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
+    out = layer(x)
+    if layer.data_format == "channels_first":
+        out = tf.transpose(out, [0, 2, 3, 1])
+    product = conv_patches(layer, x) @ tf.reshape(layer.kernel, [-1, layer.filters])
+    np.testing.assert_allclose(product.numpy(), tf.reshape(out, [-1, layer.filters]).numpy(),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_numpy_im2col_matches_tensorflow():
+    """The reference's own im2col (stride 2, 'same' with the extra pad at the end)."""
+    from tf_msopt.thor.capture import conv_patches
+
+    layer = keras.layers.Conv2D(2, 3, strides=2, padding="same")
+    x = np.random.default_rng(1).normal(size=(2, 6, 5, 2))
+    layer.build(x.shape)
+    got = conv_patches(layer, tf.constant(x, tf.float32)).numpy()
+    np.testing.assert_allclose(got, ref.im2col(x, (3, 3), (2, 2), "same")[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("dim, block_size", [(6, 4), (8, 4), (5, None), (3, 128)])
+def test_block_products(dim, block_size):
+    rng = np.random.default_rng(2)
+    layout = blocks.BlockLayout.of(dim, block_size)
+    block_values = rng.normal(size=layout.shape)
+    dense = np.zeros((layout.count * layout.size,) * 2)
+    for i in range(layout.count):
+        dense[i * layout.size:(i + 1) * layout.size, i * layout.size:(i + 1) * layout.size] = (
+            block_values[i])
+    dense = dense[:dim, :dim]
+    left, right = rng.normal(size=(dim, 3)), rng.normal(size=(3, dim))
+    as_tf = lambda a: tf.constant(a, tf.float32)  # noqa: E731
+    np.testing.assert_allclose(blocks.left_multiply(as_tf(block_values), layout, as_tf(left)),
+                               dense @ left, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(blocks.right_multiply(as_tf(right), as_tf(block_values), layout),
+                               right @ dense, rtol=1e-5, atol=1e-6)
+    rows = rng.normal(size=(10, dim))
+    covariance = blocks.covariance_blocks(as_tf(rows), layout).numpy()
+    full = rows.T @ rows
+    for i in range(layout.count):
+        end = min((i + 1) * layout.size, dim)
+        np.testing.assert_allclose(covariance[i][:end - i * layout.size, :end - i * layout.size],
+                                   full[i * layout.size:end, i * layout.size:end], rtol=1e-5)
+
+
+def test_failed_blocks_retry_then_keep_previous(inverse_path):
+    """Singular with damping 0: retried with more damping. Non-finite: previous block kept."""
+    singular = np.diag([1.0, 0.0]).astype("float32")
+    poisoned = np.array([[np.nan, 0.0], [0.0, 1.0]], "float32")
+    healthy = np.eye(2, dtype="float32") * 4.0
+    previous = np.full((3, 2, 2), 7.0, "float32")
+    inverse, retried, kept = blocks.robust_inverse(
+        tf.constant(np.stack([singular, poisoned, healthy])), 0.0, tf.constant(previous))
+    inverse = inverse.numpy()
+    assert np.all(np.isfinite(inverse))
+    assert inverse[0, 1, 1] > 1e3                       # retried: large but finite
+    np.testing.assert_array_equal(inverse[1], previous[1])
+    np.testing.assert_allclose(inverse[2], np.eye(2) / 4.0, rtol=1e-6)
+    assert (int(retried), int(kept)) == (2, 1)
+    reciprocal, retried, kept = blocks.robust_reciprocal(
+        tf.constant([0.0, 2.0]), 0.0, tf.constant([5.0, 5.0]))
+    assert np.all(np.isfinite(reciprocal.numpy())) and reciprocal.numpy()[1] == 0.5
+    assert (int(retried), int(kept)) == (1, 0)

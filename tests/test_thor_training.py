@@ -1,0 +1,207 @@
+"""THOR in training: fit on digits, XLA, loss scaling, custom loops, singular statistics."""
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import REPO_ROOT
+from test_thor_numerics import inverse_path  # noqa: F401 (fixture)
+
+import tf_msopt as mso
+
+
+def digits():
+    from sklearn.datasets import load_digits
+    data = load_digits()
+    return (data.data / 16.0).astype("float32"), data.target.astype("int32")
+
+
+def digits_mlp():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((64,)), keras.layers.Dense(64, activation="relu"),
+                             keras.layers.Dense(10)])
+
+
+def digits_cnn():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((8, 8, 1)),
+                             keras.layers.Conv2D(8, 3, padding="same", activation="relu"),
+                             keras.layers.Conv2D(16, 3, strides=2, activation="relu"),
+                             keras.layers.Flatten(), keras.layers.Dense(10)])
+
+
+def final_loss(model, optimizer, x, y, epochs=3):
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=64, epochs=epochs, verbose=0)   # seeded shuffle
+    return history.history["loss"][-1]
+
+
+@pytest.mark.parametrize("build, damping, image", [(digits_mlp, 0.03, False),
+                                                   (digits_cnn, 0.3, True)],
+                         ids=["mlp", "cnn"])
+def test_fit_on_digits_beats_sgd_momentum(build, damping, image):
+    x, y = digits()
+    if image:
+        x = x.reshape(-1, 8, 8, 1)
+    model = build()
+    thor = final_loss(model, mso.thor(model, 0.05, damping, 0.9, frequency=10), x, y)
+    sgd = min(final_loss(build(), keras.optimizers.SGD(lr, momentum=0.9), x, y)
+              for lr in (0.05, 0.1))
+    assert thor < 0.8 * sgd, (thor, sgd)
+
+
+def mixed_model():
+    """Conv2D, Embedding, LayerNorm and Dense in one small functional model."""
+    keras.utils.set_random_seed(0)
+    image = keras.Input((6, 6, 1))
+    ids = keras.Input((3,), dtype="int32")
+    a = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="tanh",
+                            name="conv")(image)
+    b = keras.layers.Flatten()(keras.layers.Embedding(7, 2, name="emb")(ids))
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(a), b])
+    h = keras.layers.LayerNormalization(name="ln")(h)
+    return keras.Model([image, ids], keras.layers.Dense(2, name="head")(h))
+
+
+def mixed_data(n=48, seed=0):
+    rng = np.random.default_rng(seed)
+    return ([rng.normal(size=(n, 6, 6, 1)).astype("float32"),
+             rng.integers(0, 7, size=(n, 3)).astype("int32")],
+            rng.normal(size=(n, 2)).astype("float32"))
+
+
+def train_mixed(xla=False, wrap=None, **thor_kwargs):
+    model = mixed_model()
+    optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4, **thor_kwargs)
+    model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse",
+                  jit_compile=xla)
+    x, y = mixed_data()
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)   # 6 steps: 2 THOR
+    return model.get_weights()
+
+
+def assert_weights_close(got, want, rtol=1e-5):
+    for a, b in zip(got, want):
+        assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), np.max(np.abs(a - b))
+
+
+def test_xla_train_step_equals_plain():
+    plain = plain_weights()
+    assert_weights_close(train_mixed(xla=True), plain)                # whole step compiled
+    assert_weights_close(train_mixed(jit_compile=True), plain)        # each update compiled
+
+
+_PLAIN = {}
+
+
+def plain_weights():
+    """The weights of ``train_mixed()`` (computed once per process)."""
+    if "weights" not in _PLAIN:
+        _PLAIN["weights"] = train_mixed()
+        keras.backend.clear_session()
+    return _PLAIN["weights"]
+
+
+@pytest.mark.parametrize("scaling", [
+    dict(wrap=lambda optimizer: mso.LossScaleOptimizer(
+        optimizer, mso.DynamicLossScaleManager(2.0 ** 12, 2, 2))),
+    dict(wrap=lambda optimizer: mso.LossScaleOptimizer(
+        optimizer, mso.FixedLossScaleManager(128.0, drop_overflow_update=False))),
+    dict(loss_scale_factor=64.0),                      # Keras' own argument
+], ids=["dynamic", "fixed_no_drop", "loss_scale_factor"])
+def test_loss_scale_is_undone_in_g(scaling):
+    assert_weights_close(train_mixed(**scaling), plain_weights())
+
+
+def test_loss_scale_in_a_custom_loop():
+    """MindSpore's ``loss_scale`` (the loss scaled by hand: THOR divides g and G by it), and a
+    LossScaleOptimizer around THOR in a custom loop (its scale is undone in G)."""
+    x, y = mixed_data()
+
+    def run(loss_scale=1.0, wrapper_scale=None):
+        model = mixed_model()
+        optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4,
+                             loss_scale=loss_scale)
+        if wrapper_scale is not None:
+            optimizer = mso.LossScaleOptimizer(optimizer, wrapper_scale)
+        optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(inputs, targets):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(inputs, training=True) - targets))
+                scaled = optimizer.scale_loss(loss) if wrapper_scale else loss * loss_scale
+            grads = tape.gradient(scaled, model.trainable_variables)
+            optimizer.apply(grads, model.trainable_variables)
+
+        for i in range(6):
+            step([x[0][8 * i:8 * i + 8], x[1][8 * i:8 * i + 8]], y[8 * i:8 * i + 8])
+        return model.get_weights()
+
+    assert_weights_close(run(loss_scale=16.0), plain_weights())   # a custom loop equals fit
+    assert_weights_close(run(wrapper_scale=32.0), plain_weights())
+
+
+def test_statistics_only_on_thor_steps():
+    """Stale steps and predict/evaluate leave the statistics alone; THOR steps rewrite them."""
+    model = mixed_model()
+    optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=2, block_size=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    buffers = optimizer._connection.statistics
+    snapshot = lambda: [b.a.numpy().copy() for b in buffers]  # noqa: E731
+    batches = [mixed_data(8, seed) for seed in range(3)]
+    model.train_on_batch(*batches[0])                  # step 0: THOR
+    after_thor = snapshot()
+    inverses = [v.numpy().copy() for v in optimizer.g_inverses]
+    model.train_on_batch(*batches[1])                  # step 1: stale
+    model.predict(batches[2][0], verbose=0)
+    model.evaluate(*batches[2], verbose=0)
+    for before, after in zip(after_thor, snapshot()):
+        np.testing.assert_array_equal(before, after)
+    for before, variable in zip(inverses, optimizer.g_inverses):
+        np.testing.assert_array_equal(before, variable.numpy())
+    model.train_on_batch(*batches[2])                  # step 2: THOR
+    assert all(not np.array_equal(b, a) for b, a in zip(after_thor, snapshot()))
+
+
+def test_singular_statistics_keep_weights_finite(inverse_path):
+    """An all-zero input feature and unused tokens with damping 0: retried, never NaN."""
+    model = mixed_model()
+    optimizer = mso.thor(model, 0.05, 0.0, 0.9, frequency=2, block_size=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    (image, ids), y = mixed_data()
+    image[..., :3, :] = 0.0                              # zero patches rows for the conv
+    ids[:] = np.minimum(ids, 2)                          # tokens 3..6 never seen
+    model.fit([image, ids], y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+    assert all(np.all(np.isfinite(v.numpy())) for v in optimizer.variables)
+    assert int(optimizer.damping_retries.numpy()) > 0
+
+
+def test_non_finite_statistics_keep_previous_inverse():
+    """A NaN gradient through a layer (no loss scaling to catch it): its inverses are kept."""
+    model = mixed_model()
+    optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=2, block_size=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = mixed_data(8)
+    model.train_on_batch(x, y)
+    kept = [v.numpy().copy() for v in optimizer.g_inverses]
+    model.train_on_batch(x, y)                           # stale
+    y = y.copy()
+    y[0, 0] = np.nan
+    model.train_on_batch(x, y)                           # THOR step on NaN statistics
+    for before, variable in zip(kept, optimizer.g_inverses):
+        np.testing.assert_array_equal(before, variable.numpy())
+    assert int(optimizer.failed_inverses.numpy()) > 0
+
+
+def test_example_runs():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    result = subprocess.run([sys.executable, "examples/thor_cnn.py", "--epochs", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "final loss: THOR" in result.stdout and "reloaded" in result.stdout

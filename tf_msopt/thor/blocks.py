@@ -1,0 +1,131 @@
+"""Block-diagonal Kronecker factors: layout, statistics, damped inverses, preconditioning.
+
+A factor of dimension ``n`` is kept as its ``ceil(n/b)`` diagonal blocks of
+size ``b`` (THOR's hardware-driven split; off-diagonal blocks are dropped). The
+last block is padded to ``b``: padded rows and columns of the statistics are
+zero except for a 1 on the diagonal, so each padded block is invertible and
+its padded part never touches a real entry.
+"""
+import math
+from typing import NamedTuple
+
+import tensorflow as tf
+
+__all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "left_multiply",
+           "right_multiply", "robust_reciprocal"]
+
+
+class BlockLayout(NamedTuple):
+    """How a factor of dimension ``dim`` splits into ``count`` blocks of ``size``."""
+
+    dim: int
+    size: int
+    count: int
+
+    @classmethod
+    def of(cls, dim, block_size):
+        size = dim if block_size is None else min(dim, block_size)
+        return cls(dim, size, math.ceil(dim / size))
+
+    @property
+    def shape(self):
+        return (self.count, self.size, self.size)
+
+    @property
+    def padding(self):
+        return self.count * self.size - self.dim
+
+    def padding_diagonal(self):
+        """``[count, size, size]``: 1 on the diagonal of padded positions, else 0."""
+        mask = tf.concat([tf.zeros([self.dim]), tf.ones([self.padding])], axis=0)
+        return tf.linalg.diag(tf.reshape(mask, [self.count, self.size]))
+
+
+def _split_columns(matrix, layout):
+    """``[rows, dim]`` -> ``[count, rows, size]`` (zero-padded columns)."""
+    if layout.padding:
+        matrix = tf.pad(matrix, [[0, 0], [0, layout.padding]])
+    return tf.transpose(tf.reshape(matrix, [-1, layout.count, layout.size]), [1, 0, 2])
+
+
+def covariance_blocks(rows, layout):
+    """The diagonal blocks of ``rows^T rows`` (a sum over rows), ``[count, size, size]``."""
+    if layout.count == 1 and not layout.padding:
+        return tf.matmul(rows, rows, transpose_a=True)[tf.newaxis]
+    split = _split_columns(rows, layout)
+    return tf.matmul(split, split, transpose_a=True)
+
+
+def left_multiply(blocks, layout, matrix):
+    """``blockdiag(blocks) @ matrix`` for ``matrix`` of shape ``[dim, k]``."""
+    if layout.count == 1 and not layout.padding:
+        return tf.matmul(blocks[0], matrix)
+    if layout.padding:
+        matrix = tf.pad(matrix, [[0, layout.padding], [0, 0]])
+    product = tf.matmul(blocks, tf.reshape(matrix, [layout.count, layout.size, -1]))
+    return tf.reshape(product, [layout.count * layout.size, -1])[:layout.dim]
+
+
+def right_multiply(matrix, blocks, layout):
+    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``."""
+    if layout.count == 1 and not layout.padding:
+        return tf.matmul(matrix, blocks[0])
+    product = tf.matmul(_split_columns(matrix, layout), blocks)      # [count, k, size]
+    product = tf.reshape(tf.transpose(product, [1, 0, 2]), [tf.shape(matrix)[0], -1])
+    return product[:, :layout.dim]
+
+
+def _retry_damping(diagonal, damping):
+    """More damping for a second try: ten times as much, and at least a small fraction of
+    the mean finite diagonal entry (so that damping 0 on singular statistics also gets a
+    second try, whatever a non-finite block beside it holds)."""
+    finite = tf.math.is_finite(diagonal)
+    mean = tf.math.divide_no_nan(tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0)),
+                                 tf.reduce_sum(tf.cast(finite, diagonal.dtype)))
+    return tf.maximum(10.0 * damping, 1e-4 * mean) + 1e-6
+
+
+def robust_inverse(matrices, damping, previous):
+    """``inv(M + damping*I)`` per block that never returns a non-finite block.
+
+    A block whose factorisation fails (not positive definite, or non-finite)
+    is retried with more damping; if that fails too, the block of
+    ``previous`` is kept.
+
+    Returns:
+        ``(inverses, retried, kept)``: the blocks, and how many blocks needed a
+        retry and how many kept their previous value (int64 scalars).
+    """
+    from tf_msopt.ops.inverse import damped_inverse_with_status
+
+    inverses, ok = damped_inverse_with_status(matrices, damping)
+    retried = tf.logical_not(ok)
+
+    def retry():
+        more_damping = _retry_damping(tf.linalg.diag_part(matrices), damping)
+        second, second_ok = damped_inverse_with_status(matrices, more_damping)
+        return tf.where(ok[:, None, None], inverses, second), ok | second_ok
+
+    inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
+    ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
+    inverses = tf.where(ok[:, None, None], inverses, previous)
+    return inverses, _count(retried), _count(tf.logical_not(ok))
+
+
+def robust_reciprocal(diagonal, damping, previous):
+    """``1 / (d + damping)`` elementwise, with :func:`robust_inverse`'s guarantees
+    (one block per vector for the counts)."""
+    def reciprocal(value):
+        ok = tf.math.is_finite(value) & (value > 0)
+        return tf.math.reciprocal_no_nan(tf.where(ok, value, 1.0)), ok
+
+    first, ok = reciprocal(diagonal + damping)
+    second, second_ok = reciprocal(diagonal + _retry_damping(diagonal, damping))
+    result = tf.where(ok, first, tf.where(second_ok, second, previous))
+    retried = tf.logical_not(tf.reduce_all(ok))
+    kept = tf.logical_not(tf.reduce_all(ok | second_ok))
+    return result, _count(retried), _count(kept)
+
+
+def _count(flags):
+    return tf.reduce_sum(tf.cast(flags, tf.int64))

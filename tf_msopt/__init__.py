@@ -3,10 +3,11 @@ from tf_msopt import ops, schedules
 from tf_msopt.loss_scale import (DynamicLossScaleManager, DynamicLossScaleUpdateCell,
                                  FixedLossScaleManager, FixedLossScaleUpdateCell,
                                  LossScaleOptimizer)
-from tf_msopt.optimizers import AddSign, LARS, PowerSign
+from tf_msopt.optimizers import AdamOffload, AddSign, LARS, PowerSign
+from tf_msopt.thor import THOR, thor
 
 __version__ = "0.1.0"
 
-__all__ = ["AddSign", "DynamicLossScaleManager", "DynamicLossScaleUpdateCell",
+__all__ = ["AdamOffload", "AddSign", "DynamicLossScaleManager", "DynamicLossScaleUpdateCell",
            "FixedLossScaleManager", "FixedLossScaleUpdateCell", "LossScaleOptimizer", "LARS",
-           "PowerSign", "ops", "schedules"]
+           "PowerSign", "THOR", "ops", "schedules", "thor"]

@@ -1,0 +1,210 @@
+"""AdamOffload's host update against other CPU Adam implementations, in one process.
+
+Every case applies one Adam step to N float32 parameters split over V variables,
+all on the CPU: AdamOffload with the compiled kernel (variables on the host: one
+fused pass updating m, v and w), AdamOffload's offload path (state on a second
+logical CPU standing for the host, variables on the first: the kernel returns
+delta and ``w += delta`` runs on the variables' device), the host's share of
+that path alone (the kernel computing m, v and delta), AdamOffload's pure-TF
+path, ``keras.optimizers.Adam``, TensorFlow's fused ``ResourceApplyAdam``
+kernel, and, when installed, DeepSpeed's ``DeepSpeedCPUAdam`` and
+``torch.optim.Adam(fused=True)``. Cases run interleaved, round after round
+(medians reported), so machine noise hits them alike. The last line printed is
+JSON.
+
+    python benchmarks/adam_offload_step.py [--params 10000000] [--variables 10] [--rounds 15]
+                                           [--threads N]
+
+``--threads`` sets TensorFlow's and PyTorch's thread counts alike (default: their
+own, one per core). On a shared machine ``--threads 1`` is the steadier
+comparison: DeepSpeed's OpenMP loop slows down many times over when another
+process takes one of its cores, TensorFlow's thread pool much less.
+
+DeepSpeed and PyTorch are optional (not dependencies of the package); see
+docs/adam_offload.md for installing them beside TensorFlow.
+"""
+import argparse
+import json
+import os
+import platform
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+
+
+def _threads_argument():
+    """``--threads`` must reach TensorFlow before it runs an op, so it is read here."""
+    parser = argparse.ArgumentParser(add_help=False)
+    parser.add_argument("--threads", type=int, default=None)
+    return parser.parse_known_args()[0].threads
+
+
+THREADS = _threads_argument()
+if THREADS:
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+    tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+
+import tf_msopt as mso  # noqa: E402
+from tf_msopt.ops import _loader  # noqa: E402
+from tf_msopt.ops.adam import adam_offload_step  # noqa: E402
+from timing import time_cases  # noqa: E402
+
+
+def make_problem(params, variables):
+    size = params // variables
+    rng = np.random.default_rng(0)
+    values = [rng.normal(size=size).astype(np.float32) for _ in range(variables)]
+    grads = [(rng.normal(size=size) * 1e-2).astype(np.float32) for _ in range(variables)]
+    return values, grads
+
+
+def keras_case(make_optimizer, values, grads, device="/CPU:0", pure_tf=False):
+    with tf.device(device):
+        variables = [keras.Variable(v) for v in values]
+        grad_tensors = [tf.constant(g) for g in grads]
+    optimizer = make_optimizer()
+    optimizer.build(variables)
+    step = tf.function(lambda: optimizer.apply(grad_tensors, variables))
+    previous = os.environ.get(_loader.DISABLE_ENV)
+    if pure_tf:  # the op is chosen when the step is traced
+        os.environ[_loader.DISABLE_ENV] = "1"
+    try:
+        step.get_concrete_function()
+    finally:
+        if previous is None:
+            os.environ.pop(_loader.DISABLE_ENV, None)
+        else:
+            os.environ[_loader.DISABLE_ENV] = previous
+    return step
+
+
+def host_kernel_case(values, grads):
+    """The host's share of an offloaded step: m, v and delta, without ``w += delta``."""
+    moments = [(tf.Variable(tf.zeros_like(v)), tf.Variable(tf.zeros_like(v))) for v in values]
+    grad_tensors = [tf.constant(g) for g in grads]
+
+    def step():
+        for (m, v), grad in zip(moments, grad_tensors):
+            adam_offload_step(m, v, grad, 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8)
+
+    return tf.function(step)
+
+
+def raw_apply_adam_case(values, grads):
+    variables = [tf.Variable(v) for v in values]
+    moments = [(tf.Variable(tf.zeros_like(v)), tf.Variable(tf.zeros_like(v))) for v in values]
+    grad_tensors = [tf.constant(g) for g in grads]
+
+    def step():
+        for var, (m, v), grad in zip(variables, moments, grad_tensors):
+            tf.raw_ops.ResourceApplyAdam(var=var.handle, m=m.handle, v=v.handle,
+                                         beta1_power=0.9, beta2_power=0.999, lr=1e-3, beta1=0.9,
+                                         beta2=0.999, epsilon=1e-8, grad=grad)
+
+    return tf.function(step)
+
+
+def torch_cases(values, grads):
+    """DeepSpeed's CPU Adam and PyTorch's fused Adam, when they are installed."""
+    cases, notes = {}, {}
+    try:
+        import torch
+    except ImportError as err:
+        return cases, {"torch": f"not installed ({err})"}
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    notes["torch"] = f"{torch.__version__}, {torch.get_num_threads()} threads"
+
+    def parameters():
+        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+        for param, grad in zip(params, grads):
+            param.grad = torch.from_numpy(grad.copy())
+        return params
+
+    fused = torch.optim.Adam(parameters(), lr=1e-3, eps=1e-8, fused=True)
+    cases["torch_adam_fused"] = fused.step
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        deepspeed = DeepSpeedCPUAdam(parameters(), lr=1e-3, eps=1e-8, adamw_mode=False)
+        cases["deepspeed_cpu_adam"] = deepspeed.step
+        import deepspeed as deepspeed_package
+        notes["deepspeed"] = deepspeed_package.__version__
+    except Exception as err:  # not installed, or its C++ extension failed to build
+        notes["deepspeed"] = f"unavailable ({type(err).__name__}: {err})"
+    return cases, notes
+
+
+def cases(values, grads):
+    def offload(host="/CPU:0"):
+        return lambda: mso.AdamOffload(1e-3, host_device=host)
+
+    found = {
+        "adam_offload": keras_case(offload(), values, grads),
+        "adam_offload_delta_path": keras_case(offload("/CPU:1"), values, grads),
+        "adam_offload_host_kernel": host_kernel_case(values, grads),
+        "adam_offload_pure_tf": keras_case(offload(), values, grads, pure_tf=True),
+        "keras_adam": keras_case(lambda: keras.optimizers.Adam(1e-3, epsilon=1e-8), values,
+                                 grads),
+        "raw_apply_adam": raw_apply_adam_case(values, grads),
+    }
+    extra, notes = torch_cases(values, grads)
+    found.update(extra)
+    return found, notes
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=10_000_000)
+    parser.add_argument("--variables", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls-per-round", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="TensorFlow and PyTorch threads (default: one per core)")
+    args = parser.parse_args()
+
+    values, grads = make_problem(args.params, args.variables)
+    steps, notes = cases(values, grads)
+    medians = time_cases(steps, args.rounds, args.calls_per_round)
+    throughput = {name: args.params / seconds / 1e6 for name, seconds in medians.items()}
+
+    threads = THREADS or "default"
+    print(f"{args.params:,} float32 params in {args.variables} variables, {os.cpu_count()} CPUs, "
+          f"threads: {threads}, TF {tf.__version__}, Keras {keras.__version__}; "
+          f"{mso.ops.custom_ops_status()}")
+    for name, note in notes.items():
+        print(f"{name}: {note}")
+    baseline = "deepspeed_cpu_adam" if "deepspeed_cpu_adam" in medians else "keras_adam"
+    print(f"{'case':<26}{'ms/step':>10}{'Mparams/s':>12}{'vs ' + baseline:>26}")
+    for name, seconds in medians.items():
+        speedup = medians[baseline] / seconds
+        print(f"{name:<26}{seconds * 1e3:>10.2f}{throughput[name]:>12.0f}{speedup:>25.2f}x")
+    ratios = {f"{name}_throughput_vs_{other}": medians[other] / medians[name]
+              for name in ("adam_offload", "adam_offload_delta_path", "adam_offload_host_kernel")
+              for other in ("deepspeed_cpu_adam", "torch_adam_fused", "keras_adam",
+                            "raw_apply_adam") if other in medians}
+    if "deepspeed_cpu_adam" in medians:
+        ratio = ratios["adam_offload_throughput_vs_deepspeed_cpu_adam"]
+        verdict = "meets" if ratio >= 1.0 else "MISSES"
+        print(f"target adam_offload throughput vs DeepSpeedCPUAdam: {ratio:.2f}x "
+              f"(target >= 1.0x) {verdict}")
+    else:
+        print("target adam_offload vs DeepSpeedCPUAdam: not measured (DeepSpeed unavailable)")
+    print(json.dumps({
+        "benchmark": "adam_offload_step", "params": args.params, "variables": args.variables,
+        "threads": THREADS, "machine": {"cpus": os.cpu_count(),
+                                        "processor": platform.processor() or platform.machine()},
+        "custom_ops": mso.ops.custom_ops_available(), "notes": notes,
+        "ms_per_step": {k: round(s * 1e3, 3) for k, s in medians.items()},
+        "mparams_per_s": {k: round(v, 1) for k, v in throughput.items()},
+        "ratios": {k: round(r, 3) for k, r in ratios.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()

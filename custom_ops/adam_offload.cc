@@ -1,0 +1,327 @@
+// AdamOffload's host kernels: MindSpore's AdamNoUpdateParam, one fused pass.
+//
+// For each element, with g = grad * grad_scale (grad_scale = 1 / loss_scale):
+//   m     = m * beta1 + (1 - beta1) * g
+//   v     = v * beta2 + (1 - beta2) * g * g
+//   delta = -lr_t * m / (sqrt(v) + epsilon)                     (use_nesterov=false)
+//   delta = -lr_t * (m * beta1 + (1 - beta1) * g) / (sqrt(v) + epsilon)   (nesterov)
+// where lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), computed once per call.
+//
+// MsOptAdamOffloadDelta writes m and v in place and returns delta (the caller
+// adds it to the variable on the variable's device). MsOptAdamOffloadUpdate
+// is the same pass for a variable that lives on the host itself: it adds delta
+// to the variable in place instead of returning it, saving a pass over memory.
+//
+// m, v (and var) are resource variables updated the way TensorFlow's training
+// ops do it: their mutexes are held, and a buffer that another tensor still
+// references is copied first (PrepareToUpdateVariable), so no concurrent read
+// observes the write. The flat range is split over the intra-op thread pool;
+// each shard runs a float vector loop for the widest instruction set the CPU
+// has (AVX-512, AVX2, SSE2 on x86-64; chosen at run time) and a scalar tail.
+// float64 runs the scalar loop.
+
+#define EIGEN_USE_THREADS
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_var.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/kernels/training_op_helpers.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace tensorflow {
+namespace {
+
+using CPUDevice = Eigen::ThreadPoolDevice;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+constexpr int kNumVariables = 3;  // the variable, m, v (Update); Delta has no variable.
+
+absl::Status AdamOffloadShape(InferenceContext* c, int num_resources) {
+  const int grad = num_resources;
+  ShapeHandle shape = c->input(grad);
+  for (int i = 0; i < num_resources; ++i) {
+    const auto* handle_data = c->input_handle_shapes_and_types(i);
+    if (handle_data != nullptr && handle_data->size() == 1) {
+      TF_RETURN_IF_ERROR(c->Merge(shape, (*handle_data)[0].shape, &shape));
+    }
+  }
+  ShapeHandle scalar;
+  for (int i = grad + 1; i < c->num_inputs(); ++i) {
+    TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &scalar));
+  }
+  if (c->num_outputs() > 0) c->set_output(0, shape);
+  return absl::OkStatus();
+}
+
+#define MSOPT_ADAM_SCALARS                                                   \
+  Input("beta1_power: T")                                                    \
+      .Input("beta2_power: T")                                               \
+      .Input("lr: T")                                                        \
+      .Input("beta1: T")                                                     \
+      .Input("beta2: T")                                                     \
+      .Input("epsilon: T")                                                   \
+      .Input("grad_scale: T")                                                \
+      .Attr("T: {float, double}")                                            \
+      .Attr("use_locking: bool = false")                                     \
+      .Attr("use_nesterov: bool = false")
+
+REGISTER_OP("MsOptAdamOffloadDelta")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("grad: T")
+    .MSOPT_ADAM_SCALARS
+    .Output("delta: T")
+    .SetShapeFn([](InferenceContext* c) { return AdamOffloadShape(c, 2); })
+    .Doc(R"doc(
+One Adam step on host-resident moments (MindSpore's AdamNoUpdateParam, with the
+loss-scale division fused): updates m and v in place and returns
+delta = -lr_t * m / (sqrt(v) + epsilon), lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power).
+)doc");
+
+REGISTER_OP("MsOptAdamOffloadUpdate")
+    .Input("var: resource")
+    .Input("m: resource")
+    .Input("v: resource")
+    .Input("grad: T")
+    .MSOPT_ADAM_SCALARS
+    .SetShapeFn([](InferenceContext* c) { return AdamOffloadShape(c, 3); })
+    .Doc(R"doc(
+MsOptAdamOffloadDelta for a variable on the same (host) device: adds delta to
+var in place in the same pass.
+)doc");
+
+#undef MSOPT_ADAM_SCALARS
+
+template <typename T>
+struct AdamHyper {
+  T beta1, one_minus_beta1, beta2, one_minus_beta2, epsilon, neg_lr_t, grad_scale;
+};
+
+// One shard: `delta` is written when `var` is null, else `var` is updated.
+// `delta` may be `grad` itself (the output took over the gradient's buffer):
+// every loop reads an element's gradient before it writes its delta.
+template <typename T>
+struct AdamSpan {
+  T* var;
+  T* m;
+  T* v;
+  const T* grad;
+  T* delta;
+  int64_t size;
+  bool nesterov;
+};
+
+// One element, in MindSpore's order of operations (AdamDeltaFp32). Every
+// product and sum is rounded on its own, as TensorFlow's element-wise ops round
+// them, so the pure-TF path gives the same bits.
+template <typename T>
+inline void AdamElement(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t i) {
+  const T g = s.grad[i] * h.grad_scale;
+  const T m = s.m[i] * h.beta1 + h.one_minus_beta1 * g;
+  const T v = s.v[i] * h.beta2 + h.one_minus_beta2 * g * g;
+  s.m[i] = m;
+  s.v[i] = v;
+  const T step = s.nesterov ? m * h.beta1 + h.one_minus_beta1 * g : m;
+  const T delta = h.neg_lr_t * step / (std::sqrt(v) + h.epsilon);
+  if (s.var != nullptr) {
+    s.var[i] += delta;
+  } else {
+    s.delta[i] = delta;
+  }
+}
+
+template <typename T>
+void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
+  for (int64_t i = begin; i < s.size; ++i) AdamElement(s, h, i);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MSOPT_X86_SIMD 1
+// The same arithmetic on float vectors. The compiler cannot vectorise the
+// scalar loop itself: std::sqrt may set errno unless the whole build says
+// -fno-math-errno. Each width is compiled for its instruction set and chosen
+// at run time; arithmetic uses GCC/Clang vector operators, sqrt the intrinsic.
+// fp-contract=off keeps products and sums separately rounded (no FMA), as in
+// the scalar loop. Returns where the scalar tail starts.
+#define MSOPT_DEFINE_SIMD_SPAN(NAME, TARGET, VEC, SQRT)                           \
+  __attribute__((target(TARGET), optimize("fp-contract=off"))) int64_t NAME(       \
+      const AdamSpan<float>& s, const AdamHyper<float>& h) {                        \
+    constexpr int64_t kWidth = sizeof(VEC) / sizeof(float);                        \
+    const VEC zero = {};                                                           \
+    const VEC beta1 = zero + h.beta1, one_minus_beta1 = zero + h.one_minus_beta1;  \
+    const VEC beta2 = zero + h.beta2, one_minus_beta2 = zero + h.one_minus_beta2;  \
+    const VEC epsilon = zero + h.epsilon, neg_lr_t = zero + h.neg_lr_t;            \
+    const VEC grad_scale = zero + h.grad_scale;                                    \
+    int64_t i = 0;                                                                 \
+    for (; i + kWidth <= s.size; i += kWidth) {                                    \
+      VEC g, m, v;                                                                 \
+      __builtin_memcpy(&g, s.grad + i, sizeof(VEC));                               \
+      __builtin_memcpy(&m, s.m + i, sizeof(VEC));                                  \
+      __builtin_memcpy(&v, s.v + i, sizeof(VEC));                                  \
+      g = g * grad_scale;                                                          \
+      m = m * beta1 + one_minus_beta1 * g;                                         \
+      v = v * beta2 + one_minus_beta2 * g * g;                                     \
+      __builtin_memcpy(s.m + i, &m, sizeof(VEC));                                  \
+      __builtin_memcpy(s.v + i, &v, sizeof(VEC));                                  \
+      const VEC step = s.nesterov ? m * beta1 + one_minus_beta1 * g : m;           \
+      const VEC delta = neg_lr_t * step / (SQRT(v) + epsilon);                     \
+      if (s.var != nullptr) {                                                      \
+        VEC var;                                                                   \
+        __builtin_memcpy(&var, s.var + i, sizeof(VEC));                            \
+        var = var + delta;                                                         \
+        __builtin_memcpy(s.var + i, &var, sizeof(VEC));                            \
+      } else {                                                                     \
+        __builtin_memcpy(s.delta + i, &delta, sizeof(VEC));                        \
+      }                                                                            \
+    }                                                                              \
+    return i;                                                                      \
+  }
+MSOPT_DEFINE_SIMD_SPAN(Avx512Span, "avx512f", __m512, _mm512_sqrt_ps)
+MSOPT_DEFINE_SIMD_SPAN(Avx2Span, "avx2", __m256, _mm256_sqrt_ps)
+MSOPT_DEFINE_SIMD_SPAN(Sse2Span, "sse2", __m128, _mm_sqrt_ps)
+#undef MSOPT_DEFINE_SIMD_SPAN
+#endif  // x86-64
+
+template <typename T>
+void RunSpan(const AdamSpan<T>& s, const AdamHyper<T>& h) {
+  ScalarSpan(s, h, 0);  // float64: the plain loop
+}
+
+template <>
+void RunSpan<float>(const AdamSpan<float>& s, const AdamHyper<float>& h) {
+#ifdef MSOPT_X86_SIMD
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f");
+  static const bool has_avx2 = __builtin_cpu_supports("avx2");
+  const int64_t tail = has_avx512 ? Avx512Span(s, h) : has_avx2 ? Avx2Span(s, h) : Sse2Span(s, h);
+  ScalarSpan(s, h, tail);
+#else
+  ScalarSpan(s, h, 0);
+#endif
+}
+
+template <typename T, bool kUpdateVariable>
+class AdamOffloadOp : public OpKernel {
+ public:
+  explicit AdamOffloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("use_locking", &use_locking_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("use_nesterov", &use_nesterov_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    constexpr int kResources = kUpdateVariable ? 3 : 2;
+    constexpr int kGrad = kResources;
+    static const char* const kNames[kNumVariables] = {"var", "m", "v"};
+    const char* const* names = kUpdateVariable ? kNames : kNames + 1;
+    std::vector<int> resource_inputs;
+    for (int i = 0; i < kResources; ++i) {
+      // Checked before anything reads the buffer as T.
+      core::RefCountPtr<Var> resource;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &resource));
+      OP_REQUIRES(ctx, resource->tensor()->dtype() == DataTypeToEnum<T>::v(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "'", names[i], "' must have the gradient's dtype ",
+                      DataTypeString(DataTypeToEnum<T>::v()), ", but got ",
+                      DataTypeString(resource->tensor()->dtype()), ".")));
+      resource_inputs.push_back(i);
+    }
+    // Held until Compute returns: no other op reads or writes these buffers meanwhile.
+    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, T>(ctx, use_locking_,
+                                                                     /*sparse=*/false,
+                                                                     resource_inputs);
+    Tensor state[kNumVariables];
+    for (int i = 0; i < kResources; ++i) {
+      OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, T>(ctx, i, use_locking_,
+                                                                   /*sparse=*/false, &state[i]));
+      OP_REQUIRES(ctx, state[i].IsInitialized(),
+                  absl::FailedPreconditionError(absl::StrCat(
+                      "Attempting to use uninitialized variable '", names[i], "'.")));
+    }
+    const Tensor& grad = ctx->input(kGrad);
+    for (int i = 0; i < kResources; ++i) {
+      OP_REQUIRES(ctx, state[i].shape() == grad.shape(),
+                  absl::InvalidArgumentError(absl::StrCat(
+                      "'", names[i], "' and 'grad' must have the same shape, but got ",
+                      state[i].shape().DebugString(), " and ", grad.shape().DebugString(),
+                      ".")));
+    }
+    T scalars[7];
+    static const char* const kScalarNames[7] = {"beta1_power", "beta2_power", "lr", "beta1",
+                                                "beta2", "epsilon", "grad_scale"};
+    for (int i = 0; i < 7; ++i) {
+      const Tensor& t = ctx->input(kGrad + 1 + i);
+      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(t.shape()),
+                  absl::InvalidArgumentError(absl::StrCat("'", kScalarNames[i],
+                                                          "' must be a scalar, but got shape ",
+                                                          t.shape().DebugString(), ".")));
+      scalars[i] = t.scalar<T>()();
+    }
+    const T beta1_power = scalars[0], beta2_power = scalars[1];
+    OP_REQUIRES(ctx,
+                std::abs(beta1_power - T(1)) >= T(std::numeric_limits<float>::epsilon()),
+                absl::InvalidArgumentError("the 'beta1_power' can not be 1."));
+    AdamHyper<T> h;
+    h.beta1 = scalars[3];
+    h.one_minus_beta1 = T(1) - h.beta1;
+    h.beta2 = scalars[4];
+    h.one_minus_beta2 = T(1) - h.beta2;
+    h.epsilon = scalars[5];
+    h.grad_scale = scalars[6];
+    h.neg_lr_t = -(scalars[2] * std::sqrt(T(1) - beta2_power) / (T(1) - beta1_power));
+
+    AdamSpan<T> span{};
+    span.m = state[kResources - 2].flat<T>().data();
+    span.v = state[kResources - 1].flat<T>().data();
+    span.grad = grad.flat<T>().data();
+    span.size = grad.NumElements();
+    span.nesterov = use_nesterov_;
+    if (kUpdateVariable) {
+      span.var = state[0].flat<T>().data();
+    } else {
+      Tensor* delta = nullptr;
+      // The delta may take over the gradient's buffer when nothing else holds it.
+      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({kGrad}, 0, grad.shape(),
+                                                                 &delta));
+      span.delta = delta->flat<T>().data();
+    }
+    // Bytes read and written and cycles per element, for the shard size.
+    const Eigen::TensorOpCost cost((kUpdateVariable ? 4 : 3) * sizeof(T), 3 * sizeof(T), 10);
+    ctx->eigen_device<CPUDevice>().parallelFor(
+        span.size, cost, [&span, &h](Eigen::Index begin, Eigen::Index end) {
+          AdamSpan<T> shard = span;
+          shard.m += begin;
+          shard.v += begin;
+          shard.grad += begin;
+          if (shard.var != nullptr) shard.var += begin;
+          if (shard.delta != nullptr) shard.delta += begin;
+          shard.size = end - begin;
+          RunSpan(shard, h);
+        });
+  }
+
+ private:
+  bool use_locking_;
+  bool use_nesterov_;
+};
+
+#define MSOPT_REGISTER_KERNELS(T)                                                          \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("MsOptAdamOffloadDelta").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
+      AdamOffloadOp<T, false>);                                                            \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("MsOptAdamOffloadUpdate").Device(DEVICE_CPU).TypeConstraint<T>("T"),           \
+      AdamOffloadOp<T, true>);
+MSOPT_REGISTER_KERNELS(float)
+MSOPT_REGISTER_KERNELS(double)
+#undef MSOPT_REGISTER_KERNELS
+
+}  // namespace
+}  // namespace tensorflow

@@ -1,0 +1,418 @@
+"""AdamOffload: MindSpore's golden values, the host kernel against its pure-TF path,
+groups, arguments. Training, placement, distribution and saving: test_adam_offload_training."""
+import contextlib
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tf_msopt as mso
+from tf_msopt.ops import _loader
+from tf_msopt.ops.adam import adam_offload_step
+
+#: Set to a privately built op library to test it instead of tf_msopt/ops/_msopt_ops.so.
+LIBRARY_ENV = "TF_MSOPT_TEST_OPS_LIBRARY"
+
+
+def use_backend(monkeypatch, backend):
+    """Selects the compiled kernel ("kernel") or the pure-TF path ("pure_tf")."""
+    if backend == "pure_tf":
+        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+        return
+    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    if os.environ.get(LIBRARY_ENV):
+        monkeypatch.setattr(_loader, "LIBRARY_PATH", os.environ[LIBRARY_ENV])
+        monkeypatch.setattr(_loader, "_state", {"loaded": False, "module": None, "reason": None})
+    assert hasattr(_loader.load_custom_ops(), "ms_opt_adam_offload_delta"), (
+        f"the AdamOffload kernel is not loaded ({mso.ops.custom_ops_status()}; a library "
+        f"built before custom_ops/adam_offload.cc existed lacks it: rebuild with setup.py)")
+
+
+@pytest.fixture(params=["kernel", "pure_tf"])
+def backend(request, monkeypatch):
+    use_backend(monkeypatch, request.param)
+    return request.param
+
+
+def variable(value, path, dtype="float32"):
+    """A keras.Variable whose path is ``path`` (layer scopes, then the weight name)."""
+    *scopes, name = path.split("/")
+    with contextlib.ExitStack() as stack:
+        for scope in scopes:
+            stack.enter_context(keras.name_scope(scope))
+        return keras.Variable(np.asarray(value, dtype), name=name)
+
+
+def numpy_adam_offload(weights, grads_per_step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                       use_nesterov=False, decay=None, loss_scale=1.0):
+    """DESIGN §4.4 in float64; returns the weights after each step. ``decay[i]`` is variable
+    i's weight decay; ``lr`` a number, or ``lr(step, i)``: variable i's rate at step 0, 1, ..."""
+    weights = [np.asarray(w, np.float64) for w in weights]
+    m = [np.zeros_like(w) for w in weights]
+    v = [np.zeros_like(w) for w in weights]
+    decay = decay or [0.0] * len(weights)
+    history = []
+    for t, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            rate = lr(t - 1, i) if callable(lr) else lr
+            g = np.asarray(g, np.float64) / loss_scale + decay[i] * weights[i]
+            lr_t = rate * np.sqrt(1 - beta2 ** t) / (1 - beta1 ** t)
+            m[i] = beta1 * m[i] + (1 - beta1) * g
+            v[i] = beta2 * v[i] + (1 - beta2) * g * g
+            step = beta1 * m[i] + (1 - beta1) * g if use_nesterov else m[i]
+            weights[i] = weights[i] - lr_t * step / (np.sqrt(v[i]) + eps)
+        history.append([w.copy() for w in weights])
+    return history
+
+
+# -- MindSpore golden values (reference §4) ---------------------------------------------------
+
+def test_a1_adam_no_update_param_example(backend):
+    m = tf.Variable(np.array([[0.1] * 3, [0.2] * 3], np.float32))
+    v = tf.Variable(np.array([[0.1] * 3, [0.2] * 3], np.float32))
+    delta = adam_offload_step(m, v, np.full((2, 3), 0.1, np.float32), beta1_power=0.9,
+                              beta2_power=0.999, lr=0.001, beta1=0.9, beta2=0.999, epsilon=1e-8)
+    np.testing.assert_allclose(delta.numpy()[:, 0], [-1.0004e-4, -1.3441e-4], rtol=0, atol=5e-9)
+    np.testing.assert_allclose(m.numpy(), [[0.1] * 3, [0.19] * 3], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(v.numpy(), [[0.09991] * 3, [0.19981] * 3], rtol=0, atol=1e-7)
+    # The same in float64 from the float32 inputs (1 - float32(0.999) is not 0.001).
+    beta1_power, beta2_power, lr = (np.float64(np.float32(x)) for x in (0.9, 0.999, 0.001))
+    lr_t = lr * np.sqrt(1 - beta2_power) / (1 - beta1_power)
+    want = -lr_t * m.numpy()[:, 0] / (np.sqrt(v.numpy()[:, 0].astype(np.float64)) + 1e-8)
+    np.testing.assert_allclose(delta.numpy(), np.repeat(want[:, None], 3, axis=1), rtol=1e-6)
+
+
+A2_GRADS = [([[0.1, -0.2], [0.3, 0.0]], [0.05, 0.5]),
+            ([[-0.1, 0.4], [0.0, 1.0]], [0.0, -0.5]),
+            ([[0.2, 0.2], [-0.3, 0.1]], [0.1, 0.1])]
+A2_TABLES = {
+    "plain": (dict(learning_rate=1e-3), 1.0, [
+        ([0.499, -0.999, 1.999, 0.0], [0.999, -0.501]),
+        ([0.49905264, -0.9993661, 1.9983299, -0.00074413413], [0.99832994, -0.50094736]),
+        ([0.49855441, -0.99988532, 1.9984157, -0.0013800878], [0.997527, -0.5009966])]),
+    "nesterov_wd_loss_scale": (
+        dict(learning_rate=0.1, use_nesterov=True, weight_decay=0.01, loss_scale=8.0, eps=1e-6),
+        8.0, [
+            ([0.31005722, -0.8100286, 1.8100188, 0.0], [0.8101201, -0.689988]),
+            ([0.3616509, -0.90618515, 1.7418284, -0.14138106], [0.7498532, -0.63262236]),
+            ([0.26278403, -0.97580695, 1.78505, -0.20481244], [0.62047756, -0.64600456])]),
+}
+
+
+@pytest.mark.parametrize("config", sorted(A2_TABLES))
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a2_tables(config, compiled, backend):
+    """MindSpore's CPU run: ``w`` is decayed, ``bn/gamma`` is not (its path has 'gamma')."""
+    kwargs, grad_factor, table = A2_TABLES[config]
+    w = variable([[0.5, -1.0], [2.0, 0.0]], "fc/kernel")
+    gamma = variable([1.0, -0.5], "bn/gamma")
+    opt = mso.AdamOffload(**kwargs)
+    apply = lambda grads: opt.apply(grads, [w, gamma])  # noqa: E731
+    if compiled:  # the first trace also builds the optimizer inside the tf.function
+        apply = tf.function(apply)
+    for (grad_w, grad_gamma), (want_w, want_gamma) in zip(A2_GRADS, table):
+        apply([tf.constant(np.float32(grad_w) * grad_factor),
+               tf.constant(np.float32(grad_gamma) * grad_factor)])
+        np.testing.assert_allclose(w.numpy().ravel(), want_w, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(gamma.numpy(), want_gamma, rtol=0, atol=1e-6)
+    assert int(opt.iterations.numpy()) == 3
+    decay = [kwargs.get("weight_decay", 0.0), 0.0]
+    reference = numpy_adam_offload(
+        [[[0.5, -1.0], [2.0, 0.0]], [1.0, -0.5]],
+        [[np.float32(g) * grad_factor for g in step] for step in A2_GRADS],
+        lr=kwargs["learning_rate"], eps=kwargs.get("eps", 1e-8),
+        use_nesterov=kwargs.get("use_nesterov", False), decay=decay,
+        loss_scale=kwargs.get("loss_scale", 1.0))[-1]
+    np.testing.assert_allclose(w.numpy(), reference[0], rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(gamma.numpy(), reference[1], rtol=1e-5, atol=1e-7)
+
+
+# -- the kernel ----------------------------------------------------------------------------------
+
+def run_host_steps(backend, monkeypatch, use_nesterov, in_place, size=100_003):
+    """Three steps on random data (an odd size, so vector loops have a tail)."""
+    use_backend(monkeypatch, backend)
+    rng = np.random.default_rng(7)
+    m = tf.Variable(rng.random(size).astype(np.float32))
+    v = tf.Variable(rng.random(size).astype(np.float32))
+    var = tf.Variable(rng.normal(size=size).astype(np.float32))
+    results = []
+    step = tf.function(adam_offload_step)
+    for t in (1, 2, 3):
+        grad = tf.constant(rng.normal(size=size).astype(np.float32) * 8)
+        delta = step(m, v, grad, 0.9 ** t, 0.999 ** t, 0.01, 0.9, 0.999, 1e-8, 0.125,
+                     use_nesterov=use_nesterov, var=var if in_place else None)
+        results.append(var.numpy() if in_place else delta.numpy())
+    ops = {op.type for op in step.get_concrete_function(
+        m, v, grad, 0.9, 0.999, 0.01, 0.9, 0.999, 1e-8, 0.125, use_nesterov=use_nesterov,
+        var=var if in_place else None).graph.get_operations()}
+    return results + [m.numpy(), v.numpy()], ops
+
+
+@pytest.mark.parametrize("use_nesterov", [False, True])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_kernel_and_pure_tf_give_the_same_bits(use_nesterov, in_place, monkeypatch):
+    kernel, kernel_ops = run_host_steps("kernel", monkeypatch, use_nesterov, in_place)
+    plain, plain_ops = run_host_steps("pure_tf", monkeypatch, use_nesterov, in_place)
+    op = "MsOptAdamOffloadUpdate" if in_place else "MsOptAdamOffloadDelta"
+    assert op in kernel_ops and not any(name.startswith("MsOpt") for name in plain_ops)
+    for got, want in zip(kernel, plain):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_values_read_before_a_step_do_not_change(in_place, backend):
+    """The kernel writes variables as TensorFlow's training ops do: a buffer that a tensor
+    read earlier still references is copied first, so that tensor keeps its value."""
+    m, v, var = (tf.Variable(np.full(1000, x, np.float32)) for x in (0.5, 0.25, 1.0))
+    before = [x.read_value() for x in (m, v, var)]
+    adam_offload_step(m, v, tf.ones(1000), 0.9, 0.999, 0.1, 0.9, 0.999, 1e-8,
+                      var=var if in_place else None)
+    for old, value in zip(before, (0.5, 0.25, 1.0)):
+        np.testing.assert_array_equal(old.numpy(), value)
+    assert np.all(m.numpy() != 0.5) and np.all(v.numpy() != 0.25)
+    assert np.all(var.numpy() != 1.0) == in_place
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64"])
+def test_other_float_dtypes(dtype, backend):
+    """float64 runs the kernel's scalar loop, float16 the pure-TF path. The step's scalars
+    (beta powers, rate) are float32, as in MindSpore, whatever the variable's dtype."""
+    rng = np.random.default_rng(1)
+    init = rng.normal(size=(3, 5))
+    grads = [[rng.normal(size=(3, 5))] for _ in range(3)]
+    w = variable(init, "d/kernel", dtype)
+    opt = mso.AdamOffload(0.01, weight_decay=0.1)
+    for (g,) in grads:
+        opt.apply([tf.constant(g, dtype)], [w])
+    assert opt.moments[0][0].dtype == dtype
+    want = numpy_adam_offload([init], grads, lr=0.01, decay=[0.1])[-1][0]
+    tolerance = {"float16": 2e-3, "float64": 1e-6}[dtype]
+    np.testing.assert_allclose(w.numpy(), want, rtol=tolerance, atol=tolerance)
+
+
+def test_beta1_power_of_one_is_refused(backend):
+    m, v = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(3))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'beta1_power' can not be 1"):
+        adam_offload_step(m, v, tf.ones(3), 1.0, 0.999, 0.1, 0.9, 0.999, 1e-8)
+
+
+def test_step_contract_errors():
+    m = tf.Variable(tf.zeros(3))
+    with pytest.raises(ValueError, match="must have the same shape"):
+        adam_offload_step(m, tf.Variable(tf.zeros(3)), tf.ones(4), 0.9, 0.999, 0.1, 0.9, 0.999,
+                          1e-8)
+    with pytest.raises(TypeError, match="must have one float dtype"):
+        adam_offload_step(m, tf.Variable(tf.zeros(3, tf.float64)), tf.ones(3), 0.9, 0.999, 0.1,
+                          0.9, 0.999, 1e-8)
+
+
+def test_kernel_checks_its_inputs(monkeypatch):
+    use_backend(monkeypatch, "kernel")
+    op = _loader.load_custom_ops().ms_opt_adam_offload_delta
+    m, v = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(3))
+    scalars = [tf.constant(x) for x in (0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, 1.0)]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'m' must have the gradient's dtype"):
+        op(tf.Variable(tf.zeros(3, tf.float64)).handle, v.handle, tf.ones(3), *scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'v' and 'grad' must have the same"):
+        op(m.handle, tf.Variable(tf.zeros(4)).handle, tf.ones(3), *scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'lr' must be a scalar"):
+        op(m.handle, v.handle, tf.ones(3), *scalars[:2], tf.ones(2), *scalars[3:])
+    np.testing.assert_array_equal(m.numpy(), 0.0)  # nothing was written
+
+
+# -- the optimizer: formula, groups, Keras features -------------------------------------------
+
+def test_equals_keras_adam_without_decay(backend):
+    """Same arithmetic as keras.optimizers.Adam (rounded in another order)."""
+    rng = np.random.default_rng(2)
+    init = [rng.normal(size=(4, 3)), rng.normal(size=3)]
+    ours = [variable(w, p) for w, p in zip(init, ["d/kernel", "d/bias"])]
+    theirs = [variable(w, p) for w, p in zip(init, ["d/kernel", "d/bias"])]
+    opt = mso.AdamOffload(0.01, eps=1e-7)
+    keras_adam = keras.optimizers.Adam(0.01, epsilon=1e-7)
+    for _ in range(5):
+        grads = [tf.constant(rng.normal(size=w.shape), "float32") for w in init]
+        opt.apply(grads, ours)
+        keras_adam.apply(grads, theirs)
+    for got, want in zip(ours, theirs):
+        np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6, atol=1e-7)
+
+
+@keras.saving.register_keras_serializable(package="tf_msopt_tests")
+def head_variables(variable):
+    return variable.path.startswith("head/")
+
+
+def test_groups_set_learning_rate_and_weight_decay(backend):
+    paths = ["body/kernel", "body/bias", "bn/gamma", "bn/beta", "head/kernel", "head/bias"]
+    rng = np.random.default_rng(3)
+    init = [rng.normal(size=(3, 2)), rng.normal(size=2), rng.normal(size=2), rng.normal(size=2),
+            rng.normal(size=(2, 2)), rng.normal(size=2)]
+    weights = [variable(w, p) for w, p in zip(init, paths)]
+    rates = [0.05, 0.04, 0.03, 0.02]  # per step: MindSpore's 1-D learning rate
+    opt = mso.AdamOffload(
+        learning_rate=np.array(rates), weight_decay=0.1, loss_scale=4.0,
+        groups=[{"params": ["^body/bias", "^bn/"], "weight_decay": 0.0},  # regexes, no decay
+                {"params": head_variables, "lr": 0.01, "weight_decay": 0.3}])  # a callable
+    opt.build(weights)
+    assert opt._group_index == [None, 0, 0, 0, 1, 1]
+    # Default decay skips 'beta'/'gamma' paths; a group's decay applies to all its members.
+    assert opt._decay_factors == [0.1 * 4, 0.0, 0.0, 0.0, 0.3 * 4, 0.3 * 4]
+    grads = [[rng.normal(size=w.shape) * 4 for w in init] for _ in range(3)]
+    for step in grads:
+        opt.apply([tf.constant(g, "float32") for g in step], weights)
+
+    def lr(step, i):
+        return 0.01 if i >= 4 else rates[step]
+
+    want = numpy_adam_offload(init, grads, lr=lr, decay=[0.1, 0, 0, 0, 0.3, 0.3],
+                              loss_scale=4.0)[-1]
+    for got, expected in zip(weights, want):
+        np.testing.assert_allclose(got.numpy(), expected, rtol=1e-5, atol=1e-6)
+
+
+def test_group_schedule_and_keras_clipping(backend):
+    schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=1, decay_rate=0.5)
+    w = variable(np.ones(4), "d/kernel")
+    opt = mso.AdamOffload(0.01, groups=[{"params": ["kernel"], "learning_rate": schedule}],
+                          global_clipnorm=1.0)
+    grads = [np.full(4, 3.0), np.full(4, -0.1)]
+    for g in grads:
+        opt.apply([tf.constant(g, "float32")], [w])
+    clipped = [g * min(1.0, 1.0 / np.linalg.norm(g)) for g in grads]
+    want = numpy_adam_offload([np.ones(4)], [[g] for g in clipped],
+                              lr=lambda step, i: 0.1 * 0.5 ** step)[-1][0]
+    np.testing.assert_allclose(w.numpy(), want, rtol=1e-6)
+
+
+def test_embedding_gradient_is_applied_densely(backend):
+    """IndexedSlices gradients get MindSpore's dense semantics (all rows' moments decay)."""
+    def train(sparse):
+        table = variable(np.ones((5, 2)), "emb/embeddings")
+        opt = mso.AdamOffload(0.1)
+        for rows in ([0, 2], [2, 4]):
+            values = tf.ones((2, 2))
+            grad = tf.IndexedSlices(values, tf.constant(rows), tf.constant([5, 2]))
+            opt.apply([grad if sparse else tf.convert_to_tensor(grad)], [table])
+        return table.numpy()
+
+    dense = train(False)
+    np.testing.assert_array_equal(train(True), dense)
+    assert dense[0, 0] < 1.0 and dense[1, 0] == 1.0  # row 0 keeps moving after its step
+
+
+def test_lars_and_loss_scale_wrappers(backend):
+    """Inside mso.LossScaleOptimizer (which calls apply) and LARS (which calls update_step
+    per variable, taking over the weight decay), AdamOffload acts as Keras' Adam would."""
+    x = np.ones((4, 3), "float32")
+
+    def run(wrap, inner):
+        w = variable(np.full((3, 2), 0.5), "d/kernel")
+        opt = wrap(inner)
+        for _ in range(3):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(tf.matmul(x, w) - 1.0))
+                if hasattr(opt, "scale_loss"):
+                    loss = opt.scale_loss(loss)
+            opt.apply(tape.gradient(loss, [w]), [w])
+        return w.numpy()
+
+    def offload():
+        return mso.AdamOffload(0.05, weight_decay=0.01)
+
+    def keras_adam():
+        return keras.optimizers.Adam(0.05, epsilon=1e-8, weight_decay=0.01)
+
+    plain = run(lambda opt: opt, offload())
+    assert np.abs(plain - 0.5).max() > 0.05
+    np.testing.assert_allclose(run(lambda opt: mso.LossScaleOptimizer(opt, 1024.0), offload()),
+                               plain, rtol=1e-6)
+
+    def lars(opt):
+        return mso.LARS(opt, coefficient=0.02, lars_filter=[])
+
+    np.testing.assert_allclose(run(lars, offload()), run(lars, keras_adam()), rtol=1e-5)
+
+
+# -- arguments --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, text", [
+    (dict(beta1=1), TypeError, "the type of 'beta1' should be 'float', but got type 'int'"),
+    (dict(beta2=1), TypeError, "the type of 'beta2' should be 'float', but got type 'int'"),
+    (dict(eps=1), TypeError, "the type of 'eps' should be 'float', but got type 'int'"),
+    (dict(beta1=1.0), ValueError, "the 'beta1' must be in range of (0.0, 1.0), but got 1.0"),
+    (dict(beta2=0.0), ValueError, "the 'beta2' must be in range of (0.0, 1.0), but got 0.0"),
+    (dict(beta1=0.999999999), ValueError, "rounds to 1.0"),
+    (dict(eps=0.0), ValueError, "the 'eps' must be float and must > 0, but got 0.0"),
+    (dict(use_locking=1), TypeError, "the type of 'use_locking' should be 'bool'"),
+    (dict(use_nesterov="yes"), TypeError, "the type of 'use_nesterov' should be 'bool'"),
+    (dict(learning_rate=-0.1), ValueError, "the 'learning_rate' must be finite and >= 0"),
+    (dict(learning_rate="0.1"), TypeError, "the 'learning_rate' must be a float, int"),
+    (dict(learning_rate=np.zeros((2, 2))), ValueError, "must be 0-D"),
+    (dict(weight_decay=-1e-4), ValueError, "the 'weight_decay' must be in range of [0.0, inf]"),
+    (dict(weight_decay="0.1"), TypeError, "the 'weight_decay' should be int or float"),
+    (dict(loss_scale=0.0), ValueError, "the 'loss_scale' must be in range of (0.0, inf]"),
+    (dict(loss_scale="8"), TypeError, "the type of 'loss_scale' should be 'float'"),
+    (dict(host_device=0), TypeError, "the type of 'host_device' should be 'str'"),
+    (dict(host_device="CPU zero"), ValueError, "the 'host_device' must be a device name"),
+    (dict(jit_compile=True), ValueError, "the 'jit_compile' must be False"),
+    (dict(jit_compile="no"), TypeError, "the type of 'jit_compile' should be 'bool'"),
+    (dict(groups={"params": ["a"]}), TypeError, "the 'groups' must be a list of dicts"),
+    (dict(groups=[["a"]]), TypeError, "each entry of 'groups' must be a dict"),
+    (dict(groups=[{"lr": 0.1}]), KeyError, "must have the key 'params'"),
+    (dict(groups=[{"params": ["a"], "momentum": 0.9}]), KeyError, "'momentum'"),
+    (dict(groups=[{"params": []}]), ValueError, "groups[0]['params'] must name the group"),
+    (dict(groups=[{"params": "bias"}]), TypeError, "the 'groups[0]['params']' must be None"),
+    (dict(groups=[{"params": ["("]}]), ValueError, "invalid regular expression"),
+    (dict(groups=[{"params": ["a"], "lr": -1.0}]), ValueError,
+     "the 'groups[0]['learning_rate']' must be finite and >= 0"),
+    (dict(groups=[{"params": ["a"], "weight_decay": -1.0}]), ValueError,
+     "the 'groups[0]['weight_decay']' must be in range"),
+])
+def test_argument_errors(kwargs, error, text):
+    with pytest.raises(error) as info:
+        mso.AdamOffload(**kwargs)
+    assert "For 'AdamOffload'" in str(info.value) and text in str(info.value)
+
+
+def test_ints_where_mindspore_converts_them():
+    opt = mso.AdamOffload(learning_rate=1, weight_decay=0, loss_scale=8)
+    assert (opt.weight_decay, opt.loss_scale) == (0.0, 8.0)
+    assert isinstance(opt.weight_decay, float) and isinstance(opt.loss_scale, float)
+
+
+def test_build_time_errors():
+    a, b = variable(np.ones(2), "a/kernel"), variable(np.ones(2), "b/kernel")
+    opt = mso.AdamOffload(groups=[{"params": ["kernel"]}, {"params": ["^a/"]}])
+    with pytest.raises(RuntimeError, match=r"'a/kernel' is in groups \[0, 1\]"):
+        opt.build([a, b])
+    with pytest.raises(ValueError, match="use groups"):
+        mso.AdamOffload(weight_decay=0.1).exclude_from_weight_decay(var_names=["bias"])
+
+
+def test_config_round_trip():
+    schedule = keras.optimizers.schedules.PiecewiseConstantDecay([2], [0.1, 0.01])
+    opt = mso.AdamOffload(learning_rate=[0.3, 0.2, 0.1], beta1=0.8, beta2=0.99, eps=1e-6,
+                          use_locking=True, use_nesterov=True, weight_decay=1e-4,
+                          loss_scale=128.0, host_device="/CPU:1", clipnorm=2.0,
+                          groups=[{"params": ["bias"], "weight_decay": 0.0},
+                                  {"params": head_variables, "learning_rate": schedule}])
+    config = keras.optimizers.serialize(opt)
+    assert config["registered_name"] == "tf_msopt>AdamOffload"
+    restored = keras.optimizers.deserialize(config)
+    assert isinstance(restored, mso.AdamOffload)
+    assert restored.get_config() == opt.get_config()
+    assert restored.groups[1]["params"] is head_variables
+    assert isinstance(restored.groups[1]["learning_rate"],
+                      keras.optimizers.schedules.PiecewiseConstantDecay)
+    assert restored.get_config()["groups"][0] == {"params": ["bias"], "weight_decay": 0.0}
+
+
+def test_unsavable_groups_fail_clearly():
+    with pytest.raises(ValueError, match=r"'groups\[0\]\['params'\]' is the Python callable"):
+        mso.AdamOffload(groups=[{"params": lambda v: True}]).get_config()
+    with pytest.raises(ValueError, match=r"groups\[0\]\['learning_rate'\] is the Python callable"):
+        mso.AdamOffload(groups=[{"params": ["a"], "learning_rate": lambda: 0.1}]).get_config()

@@ -1,0 +1,198 @@
+"""AdamOffload in training: placement on a separate host device, fit, XLA, MirroredStrategy,
+tf.train.Checkpoint / BackupAndRestore / .keras resume, and the example script."""
+import os
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import REPO_ROOT, regression_data, run_fresh_python, small_mlp
+from test_adam_offload import LIBRARY_ENV, use_backend
+
+import tf_msopt as mso
+
+
+@pytest.fixture(params=["kernel", "pure_tf"])
+def backend(request, monkeypatch):
+    use_backend(monkeypatch, request.param)
+    return request.param
+
+
+def make_optimizer(host_device="/CPU:0"):
+    """Every feature that carries state: decay, Nesterov, loss scale, a group, a schedule."""
+    return mso.AdamOffload(
+        learning_rate=keras.optimizers.schedules.CosineDecay(0.02, decay_steps=16), beta1=0.8,
+        use_nesterov=True, weight_decay=1e-3, loss_scale=4.0, host_device=host_device,
+        groups=[{"params": ["head/"], "learning_rate": 0.01, "weight_decay": 0.0}])
+
+
+def compiled_mlp(optimizer, **compile_kwargs):
+    model = small_mlp()
+    model.compile(optimizer=optimizer, loss="mse", **compile_kwargs)
+    return model
+
+
+def host_state(optimizer):
+    return [v for v in optimizer.variables
+            if v is not optimizer.iterations and v is not optimizer._learning_rate]
+
+
+def test_state_on_host_device_update_on_variable_device(backend):
+    """Two logical CPUs stand for accelerator (/CPU:0, the model) and host (/CPU:1)."""
+    x, y = regression_data()
+    reference = compiled_mlp(make_optimizer("/CPU:0"))
+    offloaded = compiled_mlp(make_optimizer("/CPU:1"))
+    for model in (reference, offloaded):
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # 8 steps
+    assert offloaded.optimizer._group_index == [None, None, 0, 0]  # the head's two variables
+    assert all(v.value.device.endswith("CPU:0") for v in offloaded.trainable_variables)
+    state = host_state(offloaded.optimizer)
+    assert len(state) == 2 * 4 + 3  # m and v per variable, two beta powers, their step
+    assert all(v.value.device.endswith("CPU:1") for v in state)
+    np.testing.assert_array_equal(offloaded.optimizer.moments[0][0].numpy(),
+                                  reference.optimizer.moments[0][0].numpy())
+    initial = small_mlp().get_weights()
+    for got, want, w0 in zip(offloaded.get_weights(), reference.get_weights(), initial):
+        assert np.abs(want - w0).max() > 1e-3
+        np.testing.assert_array_equal(got, want)
+
+    # Where the ops of a step run: the host math on /CPU:1, `w += delta` on /CPU:0.
+    model = offloaded
+    grads = [tf.zeros_like(v) for v in model.trainable_variables]
+    step = tf.function(lambda: model.optimizer.apply(grads, model.trainable_variables))
+    ops = step.get_concrete_function().graph.get_operations()
+    host_math = [op for op in ops if op.type in ("MsOptAdamOffloadDelta", "Sqrt")]
+    device_ops = [op.type for op in ops if op.device.endswith("CPU:0")]
+    assert host_math and all(op.device.endswith("CPU:1") for op in host_math)
+    assert device_ops.count("AssignAddVariableOp") == 4  # one `w += delta` per variable
+    assert not {"Sqrt", "RealDiv", "MsOptAdamOffloadDelta"} & set(device_ops)
+
+
+def test_xla_compiled_train_step_fails_clearly():
+    x, y = regression_data()
+    model = compiled_mlp(mso.AdamOffload(0.01), jit_compile=True)
+    with pytest.raises(RuntimeError, match=r"compile\(\.\.\., jit_compile=False\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+def test_mirrored_equals_single_device(backend, two_cpu_strategy):
+    """The summed gradient, one host update, the same delta on both replicas."""
+    x, y = regression_data(n=64)
+
+    def train(strategy):
+        with strategy.scope():
+            model = compiled_mlp(make_optimizer())
+        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)  # 4 steps
+        return model
+
+    single = train(tf.distribute.get_strategy())
+    mirrored = train(two_cpu_strategy)
+    assert int(mirrored.optimizer.iterations.numpy()) == 4
+    # One copy of the state, on the host, not a mirror per replica.
+    assert all(type(v.value) is type(single.optimizer.moments[0][0].value)
+               for v in host_state(mirrored.optimizer))
+    initial = small_mlp().get_weights()
+    for m, s, w0 in zip(mirrored.get_weights(), single.get_weights(), initial):
+        assert np.abs(s - w0).max() > 1e-3
+        np.testing.assert_allclose(m - w0, s - w0, rtol=1e-5, atol=1e-7)
+    for m, s in zip(host_state(mirrored.optimizer), host_state(single.optimizer)):
+        np.testing.assert_allclose(m.numpy(), s.numpy(), rtol=1e-5, atol=1e-9)
+
+
+def test_checkpoint_resume_is_exact(backend, tmp_path):
+    x, y = regression_data()
+    uninterrupted = compiled_mlp(make_optimizer())
+    uninterrupted.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+
+    model = compiled_mlp(make_optimizer())
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
+        os.path.join(tmp_path, "ckpt"))
+    resumed = compiled_mlp(make_optimizer())
+    resumed.optimizer.build(resumed.trainable_variables)
+    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path) \
+        .assert_consumed()
+    resumed.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(resumed.get_weights() + [v.numpy() for v in resumed.optimizer.variables],
+                         uninterrupted.get_weights()
+                         + [v.numpy() for v in uninterrupted.optimizer.variables]):
+        np.testing.assert_array_equal(got, want)
+
+
+class _Interrupt(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == 1:
+            raise RuntimeError("simulated crash")
+
+
+def test_backup_and_restore_resumes_exactly(tmp_path):
+    x, y = regression_data()
+    uninterrupted = compiled_mlp(make_optimizer())
+    uninterrupted.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0)
+    backup = keras.callbacks.BackupAndRestore(os.path.join(tmp_path, "backup"))
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        compiled_mlp(make_optimizer()).fit(x, y, batch_size=16, epochs=3, shuffle=False,
+                                           verbose=0, callbacks=[backup, _Interrupt()])
+    restarted = compiled_mlp(make_optimizer())
+    restarted.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[backup])
+    assert int(restarted.optimizer.iterations.numpy()) == 12
+    for got, want in zip(restarted.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+RESUME_SCRIPT = """
+import json, os, sys
+import keras, numpy as np
+sys.path.insert(0, "tests")
+from tf_msopt.ops import _loader
+if os.environ.get({library_env!r}):
+    _loader.LIBRARY_PATH = os.environ[{library_env!r}]
+import tf_msopt
+from helpers import regression_data
+x, y = regression_data()
+model = keras.models.load_model({path!r}, safe_mode=True)
+opt = model.optimizer
+model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+print(json.dumps({{"weights": [w.tolist() for w in model.get_weights()],
+                   "type": type(opt).__name__, "groups": opt.get_config()["groups"],
+                   "group_index": list(opt._group_index),
+                   "host": [v.value.device for v in opt.moments[0]],
+                   "iterations": int(opt.iterations.numpy()),
+                   "status": tf_msopt.ops.custom_ops_status()}}))
+"""
+
+
+@pytest.mark.slow
+def test_keras_file_resumes_exactly_in_a_fresh_process(tmp_path):
+    x, y = regression_data()
+    uninterrupted = compiled_mlp(make_optimizer())
+    uninterrupted.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    model = compiled_mlp(make_optimizer())
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    path = os.path.join(tmp_path, "model.keras")
+    model.save(path)
+    result = run_fresh_python(RESUME_SCRIPT.format(path=path, library_env=LIBRARY_ENV))
+    assert result["type"] == "AdamOffload" and result["iterations"] == 8
+    assert result["group_index"] == [None, None, 0, 0]
+    assert result["groups"] == [{"params": ["head/"], "learning_rate": 0.01,
+                                 "weight_decay": 0.0}]
+    assert all(device.endswith("CPU:0") for device in result["host"])
+    for got, want in zip(result["weights"], uninterrupted.get_weights()):
+        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+
+
+@pytest.mark.slow
+def test_example_runs_at_a_tiny_size():
+    code = f"""
+        import runpy, sys
+        sys.argv = ["adam_offload.py", "--epochs", "2", "--steps", "3", "--vocab", "500",
+                    "--width", "64", "--json"]
+        runpy.run_path({os.path.join(REPO_ROOT, "examples", "adam_offload.py")!r},
+                       run_name="__main__")
+    """
+    result = run_fresh_python(code)
+    assert result["steps"] == 6 and len(result["loss"]) == 2
+    assert result["loss"][-1] < result["loss"][0]
+    assert result["optimizer_state_on"].endswith("CPU:0")
+    # m and v in float32 per parameter; two float32 beta powers and an int64 step
+    assert result["optimizer_state_bytes"] == 2 * 4 * result["parameters"] + 4 + 4 + 8

@@ -1,0 +1,401 @@
+"""AdamOffload: Adam whose state and arithmetic live on the host."""
+import keras
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
+
+from tf_msopt._common import in_xla_context, register
+from tf_msopt._validation import check_bool, check_float, check_number_range, type_name
+from tf_msopt.ops.adam import adam_offload_step
+from tf_msopt.optimizers.base import (
+    MindSporeOptimizer,
+    check_filter,
+    make_variable_filter,
+    resolve_learning_rate,
+    serialize_filter,
+)
+
+__all__ = ["AdamOffload"]
+
+#: MindSpore's default decay filter: no weight decay for parameters whose name
+#: has 'beta' or 'gamma' (normalization offsets and scales), on Keras paths.
+DEFAULT_DECAY_EXCLUDES = ("beta", "gamma")
+
+_OWNER = "AdamOffload"
+_GROUP_KEYS = ("params", "learning_rate", "weight_decay")
+_Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+XLA_MESSAGE = (
+    "AdamOffload keeps its moments on the host device ({host}) and updates them there, which "
+    "an XLA-compiled train step cannot do. Compile the model with "
+    "model.compile(..., jit_compile=False); Keras compiles with XLA by default when a GPU is "
+    "present (jit_compile='auto'). In a custom loop, use tf.function(jit_compile=False)."
+)
+
+
+def _check_beta(value, arg):
+    value = check_float(value, arg, _OWNER, allow_int=False)
+    check_number_range(value, arg, _OWNER, low=0.0, high=1.0, low_inclusive=False,
+                       high_inclusive=False)
+    if np.float32(value) == 1.0:
+        raise ValueError(
+            f"For '{_OWNER}', the '{arg}' must be below 1.0 in float32 (the precision of the "
+            f"update), but got {value!r}, which rounds to 1.0."
+        )
+    return value
+
+
+def _check_eps(eps):
+    eps = check_float(eps, "eps", _OWNER, allow_int=False)
+    if not eps > 0:
+        raise ValueError(f"For '{_OWNER}', the 'eps' must be float and must > 0, but got {eps}.")
+    return eps
+
+
+def _check_weight_decay(value, arg):
+    if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        raise TypeError(
+            f"For '{_OWNER}', the '{arg}' should be int or float, but got type "
+            f"'{type_name(value)}'."
+        )
+    return check_number_range(float(value), arg, _OWNER, low=0.0)
+
+
+def _check_loss_scale(loss_scale):
+    loss_scale = check_float(loss_scale, "loss_scale", _OWNER)
+    return check_number_range(loss_scale, "loss_scale", _OWNER, low=0.0, low_inclusive=False)
+
+
+def _check_host_device(host_device):
+    if not isinstance(host_device, str):
+        raise TypeError(
+            f"For '{_OWNER}', the type of 'host_device' should be 'str' (e.g. '/CPU:0'), but got "
+            f"type '{type_name(host_device)}'."
+        )
+    try:
+        tf.DeviceSpec.from_string(host_device)
+    except ValueError as err:
+        raise ValueError(
+            f"For '{_OWNER}', the 'host_device' must be a device name such as '/CPU:0', but got "
+            f"{host_device!r} ({err})."
+        )
+    return host_device
+
+
+def _check_groups(groups):
+    """Validates ``groups`` and returns them with MindSpore's ``lr`` key renamed."""
+    if groups is None:
+        return []
+    if not isinstance(groups, (list, tuple)):
+        raise TypeError(
+            f"For '{_OWNER}', the 'groups' must be a list of dicts, but got type "
+            f"'{type_name(groups)}'."
+        )
+    checked = []
+    for index, group in enumerate(groups):
+        arg = f"groups[{index}]"
+        if not isinstance(group, dict):
+            raise TypeError(
+                f"For '{_OWNER}', each entry of 'groups' must be a dict, but {arg} has type "
+                f"'{type_name(group)}'."
+            )
+        group = dict(group)
+        if "lr" in group:  # MindSpore's spelling
+            if "learning_rate" in group:
+                raise KeyError(f"For '{_OWNER}', {arg} gives both 'lr' and 'learning_rate'.")
+            group["learning_rate"] = group.pop("lr")
+        unknown = sorted(set(group) - set(_GROUP_KEYS))
+        if unknown or "params" not in group:
+            raise KeyError(
+                f"For '{_OWNER}', {arg} must have the key 'params' and may have "
+                f"'learning_rate' (or 'lr') and 'weight_decay', but got keys {sorted(group)}."
+            )
+        params = group["params"]
+        check_filter(params, f"{arg}['params']", _OWNER)
+        if params is None or (not callable(params) and not params):
+            raise ValueError(
+                f"For '{_OWNER}', {arg}['params'] must name the group's variables (a non-empty "
+                f"list of regular expressions or a callable), but got {params!r}."
+            )
+        if "learning_rate" in group:
+            group["learning_rate"] = resolve_learning_rate(group["learning_rate"], _OWNER,
+                                                           arg=f"{arg}['learning_rate']")
+        if "weight_decay" in group:
+            group["weight_decay"] = _check_weight_decay(group["weight_decay"],
+                                                        f"{arg}['weight_decay']")
+        checked.append(group)
+    return checked
+
+
+def _group_member(spec, index):
+    """``predicate(keras.Variable)``: True for the variables of group ``index``."""
+    keep = make_variable_filter(spec, (), f"groups[{index}]['params']", _OWNER)
+    # The shared filter excludes what a regex list matches; a group is what it matches.
+    return keep if callable(spec) else (lambda variable: not keep(variable))
+
+
+def _single_copy_variable(next_creator, **kwargs):
+    """Creates a plain variable where it is asked for: one copy on the host, even inside a
+    ``tf.distribute`` scope (whose creator would put a mirror on every replica's device)."""
+    del next_creator
+    return resource_variable_ops.ResourceVariable(**kwargs)
+
+
+def _same_device(a, b):
+    a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
+    return ((a.device_type or "CPU").upper(), a.device_index or 0) == (
+        (b.device_type or "CPU").upper(), b.device_index or 0)
+
+
+def _add_delta(variable, delta):
+    with tf.device(variable.device):  # the one part of the step on the variable's device
+        return variable.assign_add(delta)
+
+
+def _current_rate(rate, iterations):
+    if isinstance(rate, _Schedule):
+        return rate(iterations)
+    return rate() if callable(rate) else rate
+
+
+@register
+class AdamOffload(MindSporeOptimizer):
+    """Adam with its moments and arithmetic on the host, MindSpore's ``nn.AdamOffload``.
+
+    For a variable ``w`` with gradient ``g`` at step ``t`` (1, 2, ...)::
+
+        g     = g / loss_scale + weight_decay * w     # L2 decay, see below
+        lr_t  = lr * sqrt(1 - beta2**t) / (1 - beta1**t)
+        m     = beta1 * m + (1 - beta1) * g
+        v     = beta2 * v + (1 - beta2) * g * g
+        delta = -lr_t * m / (sqrt(v) + eps)             # eps is not bias-corrected
+        delta = -lr_t * (beta1 * m + (1 - beta1) * g) / (sqrt(v) + eps)   # use_nesterov
+        w    += delta
+
+    ``m`` and ``v`` live on ``host_device``, which also computes ``delta``, in
+    one multi-threaded pass over g, m and v (a compiled CPU kernel, or the same
+    arithmetic in TensorFlow ops without it). Only the decay term and
+    ``w += delta`` run on the variable's device, so the optimizer keeps no
+    state in accelerator memory. A variable that lives on the host itself is
+    updated in the same pass. Under ``tf.distribute`` one copy of the state is
+    kept and ``delta`` is computed once, then added on every replica.
+
+    Weight decay (L2, added to the gradient, as in MindSpore) applies to
+    variables whose path has neither ``beta`` nor ``gamma``; ``groups`` change
+    that. The update cannot run inside an XLA-compiled train step: compile
+    with ``model.compile(..., jit_compile=False)``.
+
+    Args:
+        learning_rate: a float, a 0-D/1-D tensor or array (entry i at step i), an
+            iterable, or a ``keras.optimizers.schedules.LearningRateSchedule``.
+        beta1, beta2: float decay rates of the moments, in (0, 1).
+        eps: float > 0 added to ``sqrt(v)``.
+        use_locking: bool; the kernel holds the moments' locks while it writes
+            them either way (as TensorFlow's dense training ops do).
+        use_nesterov: bool; use the Nesterov form of ``delta``.
+        weight_decay: float >= 0, the L2 coefficient.
+        loss_scale: float > 0; gradients are divided by it (MindSpore's static
+            loss scale: the loss was multiplied by it).
+        host_device: where the moments live and the update is computed.
+        groups: per-group settings, MindSpore's grouped parameters: a list of
+            dicts with ``params`` (a list of regular expressions searched in
+            ``variable.path``, or a callable ``f(keras.Variable) -> bool``) and
+            optionally ``learning_rate`` (or ``lr``) and ``weight_decay``. A
+            group's weight decay (its own, else ``weight_decay``) applies to all
+            its variables, ``beta``/``gamma`` included; variables in no group
+            use the defaults. A variable may be in one group only.
+        name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments
+            (``clipnorm``, ``global_clipnorm``, ``loss_scale_factor``, ...).
+            ``jit_compile`` may only be False.
+
+    References:
+        Kingma, Ba. Adam: A Method for Stochastic Optimization. ICLR 2015.
+        Ren et al. ZeRO-Offload: Democratizing Billion-Scale Model Training.
+        USENIX ATC 2021.
+    """
+
+    def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, use_locking=False,
+                 use_nesterov=False, weight_decay=0.0, loss_scale=1.0, host_device="/CPU:0",
+                 groups=None, name="adam_offload", jit_compile=None, **kwargs):
+        if jit_compile is not None and check_bool(jit_compile, "jit_compile", _OWNER):
+            raise ValueError(
+                f"For '{_OWNER}', the 'jit_compile' must be False: the update runs on the host "
+                f"device, outside XLA, but got True."
+            )
+        loss_scale = _check_loss_scale(loss_scale)
+        weight_decay = _check_weight_decay(weight_decay, "weight_decay")
+        super().__init__(learning_rate=learning_rate, name=name, jit_compile=False, **kwargs)
+        self.beta1 = _check_beta(beta1, "beta1")
+        self.beta2 = _check_beta(beta2, "beta2")
+        self.eps = _check_eps(eps)
+        self.use_locking = check_bool(use_locking, "use_locking", _OWNER)
+        self.use_nesterov = check_bool(use_nesterov, "use_nesterov", _OWNER)
+        # MindSpore's L2 decay, added to the gradient (not Keras' decoupled decay,
+        # which _apply_weight_decay below turns off).
+        self.weight_decay = weight_decay
+        self.loss_scale = loss_scale
+        self.host_device = _check_host_device(host_device)
+        self.groups = _check_groups(groups)
+
+    def build(self, var_list):
+        if self.built:
+            return
+        super().build(var_list)
+        members = [_group_member(g["params"], i) for i, g in enumerate(self.groups)]
+        default_decay = make_variable_filter(None, DEFAULT_DECAY_EXCLUDES, "weight_decay", _OWNER)
+        weight_decay = self.weight_decay or 0.0  # None once a wrapper (LARS) takes it over
+        self._group_index, self._decay_factors = [], []
+        for variable in var_list:
+            found = [i for i, member in enumerate(members) if member(variable)]
+            if len(found) > 1:
+                raise RuntimeError(
+                    f"For '{_OWNER}', the variable '{variable.path}' is in groups {found}; a "
+                    f"variable may be in one group only."
+                )
+            group = found[0] if found else None
+            if group is None:
+                decay = weight_decay if default_decay(variable) else 0.0
+            else:
+                decay = self.groups[group].get("weight_decay", weight_decay)
+            self._group_index.append(group)
+            # MindSpore adds (weight_decay * loss_scale) * w to the still-scaled gradient.
+            self._decay_factors.append(decay * self.loss_scale)
+        with tf.device(self.host_device), tf.variable_creator_scope(_single_copy_variable):
+            self._moment1, self._moment2 = (
+                [self.add_variable(v.shape, dtype=v.dtype,
+                                   name=f"{v.path.replace('/', '_')}_{slot}") for v in var_list]
+                for slot in ("moment1", "moment2"))
+            # MindSpore's running products beta**t (float32), and the step they are at.
+            self._beta1_power, self._beta2_power = (
+                self.add_variable((), initializer="ones", dtype="float32", name=name)
+                for name in ("beta1_power", "beta2_power"))
+            self._powers_step = self.add_variable((), dtype="int64", name="powers_step")
+
+    @property
+    def moments(self):
+        """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``."""
+        return self._moment1, self._moment2
+
+    def _apply_weight_decay(self, variables):
+        """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        raise ValueError(
+            f"For '{_OWNER}', weight decay skips variables whose path has 'beta' or 'gamma'. "
+            f"To choose others, use groups, e.g. groups=[{{'params': ['bias'], "
+            f"'weight_decay': 0.0}}]."
+        )
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        # Keras calls update_step once per replica's copy of a variable; the host
+        # state must be updated once per step, so each delta is computed once here
+        # (from the summed gradient) and added to every copy.
+        scalars = self._step_scalars(distribution.experimental_local_results(learning_rate)[0])
+        for grad, variable in grads_and_vars:
+            copies = distribution.experimental_local_results(variable)
+            grad = distribution.experimental_local_results(grad)[0]
+            delta = self._host_step(grad, copies, scalars)
+            if delta is not None:
+                distribution.extended.update(variable, _add_delta, args=(delta,), group=False)
+
+    def _update(self, gradient, variable, learning_rate):
+        """One variable, for wrappers that call ``update_step`` themselves (e.g. LARS)."""
+        if self._distribution_strategy.num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"For '{_OWNER}', update_step was called for one replica's copy of a variable, "
+                f"which would update the shared host state once per replica. Under a "
+                f"multi-replica strategy, use AdamOffload as the outermost optimizer (or inside "
+                f"a LossScaleOptimizer)."
+            )
+        delta = self._host_step(gradient, (variable,), self._step_scalars(learning_rate))
+        if delta is not None:
+            _add_delta(variable, delta)
+
+    def _step_scalars(self, learning_rate):
+        """``{group: (beta1**t, beta2**t, lr)}`` for this step, on the host."""
+        if in_xla_context():
+            raise RuntimeError(XLA_MESSAGE.format(host=self.host_device))
+        with tf.device(self.host_device):
+            # Running products, as MindSpore keeps them (pow(beta, t) rounds differently,
+            # enough to move MindSpore's golden weights by 1e-6). Advanced once per
+            # step even when a wrapper calls update_step once per variable.
+            step = tf.cast(self.iterations, tf.int64) + 1
+            advance = self._powers_step < step
+            beta1_power, beta2_power = (
+                tf.where(advance, power * tf.constant(beta, tf.float32), power.value)
+                for power, beta in ((self._beta1_power, self.beta1),
+                                    (self._beta2_power, self.beta2)))
+            self._beta1_power.assign(beta1_power)
+            self._beta2_power.assign(beta2_power)
+            self._powers_step.assign(step)
+            rates = {None: tf.cast(learning_rate, tf.float32)}
+            for index, group in enumerate(self.groups):
+                rate = group.get("learning_rate")
+                rates[index] = rates[None] if rate is None else tf.cast(
+                    _current_rate(rate, self.iterations), tf.float32)
+        return {key: (beta1_power, beta2_power, rate) for key, rate in rates.items()}
+
+    def _host_step(self, gradient, copies, scalars):
+        """Updates the host state of one variable; returns its delta, or None when the
+        variable lives on the host and was updated in the same pass."""
+        variable = copies[0]
+        index = self._get_variable_index(variable)
+        grad = tf.cast(tf.convert_to_tensor(gradient), variable.dtype)  # IndexedSlices: dense
+        decay = self._decay_factors[index]
+        if decay:
+            with tf.device(variable.device):
+                grad = variable * tf.cast(decay, variable.dtype) + grad
+        in_place = len(copies) == 1 and _same_device(variable.device, self.host_device)
+        beta1_power, beta2_power, lr = scalars[self._group_index[index]]
+        return adam_offload_step(
+            self._moment1[index].value, self._moment2[index].value, grad, beta1_power,
+            beta2_power, lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
+            use_nesterov=self.use_nesterov, use_locking=self.use_locking,
+            var=variable if in_place else None)
+
+    # -- saving ------------------------------------------------------------------------------
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "beta1": self.beta1,
+            "beta2": self.beta2,
+            "eps": self.eps,
+            "use_locking": self.use_locking,
+            "use_nesterov": self.use_nesterov,
+            "weight_decay": self.weight_decay,
+            "loss_scale": self.loss_scale,
+            "host_device": self.host_device,
+            "groups": [self._group_config(index, group) for index, group in
+                       enumerate(self.groups)],
+        })
+        return config
+
+    @staticmethod
+    def _group_config(index, group):
+        config = dict(group)
+        config["params"] = serialize_filter(group["params"], f"groups[{index}]['params']", _OWNER)
+        rate = group.get("learning_rate")
+        if isinstance(rate, _Schedule):
+            config["learning_rate"] = keras.saving.serialize_keras_object(rate)
+        elif callable(rate):
+            raise ValueError(
+                f"For '{_OWNER}', groups[{index}]['learning_rate'] is the Python callable "
+                f"{rate!r}, which cannot be saved. Use a float or a LearningRateSchedule."
+            )
+        return config
+
+    @classmethod
+    def from_config(cls, config, custom_objects=None):
+        config = dict(config)
+
+        def restore(value):
+            if isinstance(value, dict) and "class_name" in value:
+                return keras.saving.deserialize_keras_object(value, custom_objects=custom_objects)
+            return value
+
+        config["groups"] = [{key: restore(value) for key, value in group.items()}
+                            for group in config.get("groups") or []]
+        return super().from_config(config, custom_objects=custom_objects)

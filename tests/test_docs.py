@@ -30,7 +30,7 @@ def test_mkdocs_build_is_strict_and_warning_free(tmp_path):
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
     log = result.stdout + result.stderr
     assert result.returncode == 0, log
-    assert "WARNING" not in log, log
+    assert "WARNING -" not in log, log   # mkdocs' own format (TensorFlow's start-up lines differ)
     # The API reference really was generated from the docstrings.
     with open(os.path.join(tmp_path, "api", "index.html")) as f:
         api = f.read()

@@ -74,7 +74,7 @@ def optimizer_factories(steps_per_epoch):
     import tf_msopt as mso
 
     return {
-        "THOR": lambda model: mso.thor(model, learning_rate=0.05, damping=0.03, momentum=0.9,
+        "THOR": lambda model: mso.thor(model, learning_rate=0.03, damping=0.3, momentum=0.9,
                                        frequency=max(2, steps_per_epoch // 2)),
         "LARS": lambda model: mso.LARS(keras.optimizers.SGD(learning_rate=0.5, momentum=0.9),
                                        coefficient=0.01),

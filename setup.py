@@ -108,6 +108,8 @@ class TensorFlowBuildExt(build_ext):
 
 build_ops = SOURCES and os.environ.get("TF_MSOPT_BUILD_CUSTOM_OPS", "1") != "0"
 setup(
-    ext_modules=[Extension("tf_msopt.ops._msopt_ops", SOURCES)] if build_ops else [],
+    # optional: a skipped or failed build (no TensorFlow in pip's isolated build environment,
+    # no compiler) leaves no library, and setuptools must not try to copy one.
+    ext_modules=[Extension("tf_msopt.ops._msopt_ops", SOURCES, optional=True)] if build_ops else [],
     cmdclass={"build_ext": TensorFlowBuildExt},
 )

@@ -1,11 +1,9 @@
 """mso.ops.damped_inverse: the MsOptDampedInverse op and its tf.linalg fallbacks against NumPy."""
 import glob
-import hashlib
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 import pytest
@@ -21,41 +19,18 @@ CUDA_SOURCE = os.path.join(REPO_ROOT, "custom_ops", "damped_inverse.cu")
 DAMPING = 0.1
 
 
-def _private_library():
-    """A library with the op: the package's when it has it, else one built from the source.
-
-    The build goes to a temp path named by the source's hash, so xdist workers
-    and later sessions reuse it.
-    """
-    if getattr(_loader.load_custom_ops(), "ms_opt_damped_inverse", None) is not None:
-        return _loader.LIBRARY_PATH
-    with open(SOURCE, "rb") as f:
-        digest = hashlib.sha256(f.read()).hexdigest()[:16]
-    path = os.path.join(tempfile.gettempdir(), "tf_msopt_test_ops", digest, "_msopt_ops.so")
-    if not os.path.exists(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        partial = f"{path}.{os.getpid()}"
-        subprocess.check_call(["g++", "-std=c++17", "-shared", "-fPIC", "-O3",
-                               "-Wno-deprecated-declarations", "-Wno-interference-size", SOURCE,
-                               "-o", partial, *tf.sysconfig.get_compile_flags(),
-                               *tf.sysconfig.get_link_flags()])
-        os.replace(partial, path)
-    return path
-
-
-@pytest.fixture(scope="session")
+@pytest.fixture
 def op_library():
-    return _private_library()
+    """The package's compiled library (`make test` builds it)."""
+    return _loader.LIBRARY_PATH
 
 
 @pytest.fixture(params=["custom_op", "tf_linalg"])
 def backend(request, monkeypatch):
     """Runs a test with the compiled op loaded, then with TF_MSOPT_DISABLE_CUSTOM_OPS=1."""
     if request.param == "custom_op":
-        library = request.getfixturevalue("op_library")
+        # The package's own build (`make test` compiles it), even in the kill-switch run.
         monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
-        monkeypatch.setattr(_loader, "LIBRARY_PATH", library)
-        monkeypatch.setattr(_loader, "_state", {"loaded": False, "module": None, "reason": None})
         assert inverse_backend() == "custom op (CPU)", mso.ops.custom_ops_status()
     else:
         monkeypatch.setenv(_loader.DISABLE_ENV, "1")

@@ -21,7 +21,8 @@ import keras  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.compare import load_digits_split, make_model, prepare, train_one  # noqa: E402
+from tf_msopt.compare import (first_reaching, load_digits_split, make_model, prepare,  # noqa: E402
+                              train_one)
 
 BATCH_SIZE = 64
 
@@ -50,8 +51,7 @@ def run(kind, target, max_epochs, seed):
         for label, factory in settings:
             history = train_one(kind, factory, data, initial, max_epochs, BATCH_SIZE, seed,
                                 verbose=0)
-            reached = next((i for i, a in enumerate(history["val_accuracy"]) if a >= target),
-                           None)
+            reached = first_reaching(history["val_accuracy"], target)
             epochs = None if reached is None else reached + 1
             seconds = None if reached is None else history["seconds"][reached]
             print(f"{name:<14}{label:<26}epochs to {target:g}: {epochs or '-':>4}   "

@@ -96,7 +96,7 @@ class _EpochClock(keras.callbacks.Callback):
         self.seconds.append(time.perf_counter() - self.start)
 
 
-def _first_reaching(values, target):
+def first_reaching(values, target):
     """Index of the first value >= target, or None."""
     return next((i for i, v in enumerate(values) if v >= target), None)
 
@@ -151,7 +151,7 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
             print(f"\n== {kind}: {name}")
             r = train_one(kind, factory, data_for_model, initial, epochs, batch_size, seed,
                           verbose)
-            reached = _first_reaching(r["val_accuracy"], target_accuracy)
+            reached = first_reaching(r["val_accuracy"], target_accuracy)
             r["epochs_to_target"] = None if reached is None else reached + 1
             r["seconds_to_target"] = None if reached is None else r["seconds"][reached]
             results[kind][name] = r

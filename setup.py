@@ -2,6 +2,9 @@
 
 The C++/CUDA sources live in ``custom_ops/``; they are compiled with the flags of
 the installed TensorFlow (``tf.sysconfig``) into ``tf_msopt/ops/_msopt_ops.so``.
+pyproject.toml lists TensorFlow among the build requirements, so pip's isolated
+build environment has it; ``pip install --no-build-isolation .`` builds against the
+TensorFlow already installed instead.
 A failed or skipped build is not an error: every feature has a pure-TensorFlow
 path, and ``tf_msopt.ops.custom_ops_available()`` reports which one is in use.
 Set ``TF_MSOPT_BUILD_CUSTOM_OPS=0`` to skip the build.
@@ -108,8 +111,9 @@ class TensorFlowBuildExt(build_ext):
 
 build_ops = SOURCES and os.environ.get("TF_MSOPT_BUILD_CUSTOM_OPS", "1") != "0"
 setup(
-    # optional: a skipped or failed build (no TensorFlow in pip's isolated build environment,
-    # no compiler) leaves no library, and setuptools must not try to copy one.
+    # optional: a skipped or failed build (TensorFlow not importable, as in a build without
+    # isolation before TensorFlow is installed; no compiler) leaves no library, and setuptools
+    # must not try to copy one.
     ext_modules=[Extension("tf_msopt.ops._msopt_ops", SOURCES, optional=True)] if build_ops else [],
     cmdclass={"build_ext": TensorFlowBuildExt},
 )

@@ -3,7 +3,8 @@
 Convention in README.md and docs/*.md: a ```python block is a runnable example
 (the blocks of one page run in order in one namespace, in a fresh process, in a
 temporary directory); a ```py block is an excerpt (a signature or a fragment that
-needs the reader's data) and is not run.
+needs the reader's data) and is not run. Shell blocks follow the same rule (```bash
+runs, ```sh is an excerpt); tests/test_readme_commands.py runs them.
 """
 import os
 import re

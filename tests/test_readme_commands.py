@@ -1,0 +1,223 @@
+"""The shell commands of README.md and docs/*.md do what the text says they do.
+
+Convention (the shell counterpart of the ```python / ```py rule in test_docs.py):
+
+- a ```bash block holds commands that a reader runs as they are; every one of them
+  is run, or checked, here, each by the runner that ``RUNNERS`` assigns it;
+- a ```sh block is a shell excerpt that is not run: commands for other machines
+  (multi-host ``TF_CONFIG``), a separate benchmark virtualenv, a GPU build, or a
+  placeholder script such as ``python train.py``.
+
+A block is split into commands: a trailing ``\\`` joins the next line, and a ``#``
+that starts a word outside quotes starts a comment. A command without a runner
+fails ``test_every_shell_command_has_a_runner``: a new README command needs a
+runner here (or, if it is not meant to run, a ```sh fence).
+
+The runners:
+
+- ``make demo`` runs the Makefile's demo recipe for real, with this interpreter's
+  directory as ``BIN``, a freshly touched ``STAMP`` (newer than its
+  prerequisites, so make does not rebuild the venv) and a short ``DEMO_ARGS``;
+  test_demo.py covers every optimizer and the comparison's numbers;
+- ``make test`` is not run from inside the suite it starts: CI's ``.ci/run`` runs
+  it, which is checked here;
+- ``pip install .`` and the status check after it run as written in a fresh
+  virtualenv (its ``bin`` first on ``PATH``) over a copy of the checkout without
+  build outputs; a ``.pth`` file gives that virtualenv this interpreter's
+  site-packages, so the runtime dependencies are already satisfied. The isolated
+  build still fetches TensorFlow, as a user's ``pip install .`` does.
+"""
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+import venv
+
+import pytest
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = ["README.md"] + sorted(os.path.join("docs", p)
+                               for p in os.listdir(os.path.join(REPO_ROOT, "docs"))
+                               if p.endswith(".md"))
+SHELL_FENCE = re.compile(r"^```bash\n(.*?)^```", re.MULTILINE | re.DOTALL)
+KNOWN_FENCES = {"python", "py", "bash", "sh", ""}
+DISABLE_ENV = "TF_MSOPT_DISABLE_CUSTOM_OPS"
+
+INSTALL = "pip install ."
+STATUS_CHECK = 'cd ~ && python -c "import tf_msopt as mso; print(mso.ops.custom_ops_status())"'
+RUNNERS = {
+    "make demo": "demo",
+    "make test": "ci",
+    INSTALL: "install",
+    STATUS_CHECK: "install",
+}
+
+
+def strip_comment(line):
+    """``line`` without its ``# comment`` (a ``#`` starting a word, outside quotes)."""
+    quote = None
+    for i, char in enumerate(line):
+        if quote:
+            if char == quote:
+                quote = None
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (i == 0 or line[i - 1].isspace()):
+            return line[:i]
+    return line
+
+
+def split_commands(block):
+    """The commands of one shell block, continuation lines joined, comments removed."""
+    commands, pending = [], ""
+    for line in block.splitlines():
+        line = strip_comment(line).rstrip()
+        if line.endswith("\\"):
+            pending += line[:-1].strip() + " "
+            continue
+        command = (pending + line.strip()).strip()
+        pending = ""
+        if command:
+            commands.append(command)
+    if pending.strip():
+        commands.append(pending.strip())
+    return commands
+
+
+def page_commands():
+    """[(page, command)] for every runnable shell command, in page order."""
+    found = []
+    for page in PAGES:
+        with open(os.path.join(REPO_ROOT, page)) as f:
+            for block in SHELL_FENCE.findall(f.read()):
+                found += [(page, command) for command in split_commands(block)]
+    return found
+
+
+def commands_of(runner):
+    """The distinct commands the pages hand to ``runner``, in first-seen order."""
+    commands = [c for _, c in page_commands() if RUNNERS.get(c) == runner]
+    assert commands, f"no README/docs command uses the {runner!r} runner any more: remove it"
+    return list(dict.fromkeys(commands))
+
+
+def test_split_commands_joins_continuations_and_drops_comments():
+    block = ("make demo   # trains\n"
+             "            # a comment line\n"
+             "A='{\"x\": 1}' \\\n"
+             "    python run.py --dir /tmp/a#b   # on host0\n"
+             "echo '# not a comment'\n")
+    assert split_commands(block) == ["make demo", "A='{\"x\": 1}' python run.py --dir /tmp/a#b",
+                                     "echo '# not a comment'"]
+
+
+def test_every_shell_command_has_a_runner():
+    commands = page_commands()
+    assert any(c == "make test" for _, c in commands), "README lost its `make test`"
+    unknown = [f"{page}: {command}" for page, command in commands if command not in RUNNERS]
+    assert not unknown, (
+        "a new README/docs command needs a runner in tests/test_readme_commands.py "
+        "(or a ```sh fence if it is an excerpt that is not run):\n" + "\n".join(unknown))
+    stale = set(RUNNERS) - {c for _, c in commands}
+    assert not stale, f"runners for commands no page has any more: {sorted(stale)}"
+
+
+def test_code_fences_are_runnable_or_marked_as_excerpts():
+    """Only the fences whose run-or-not rule is defined (here and in test_docs.py)."""
+    for page in PAGES:
+        with open(os.path.join(REPO_ROOT, page)) as f:
+            fences = set(re.findall(r"^```(\S*)", f.read(), re.MULTILINE))
+        assert fences <= KNOWN_FENCES, (page, fences - KNOWN_FENCES)
+
+
+def test_make_test_is_what_ci_runs():
+    """`make test` is not run from inside its own suite: CI runs exactly that command."""
+    assert commands_of("ci") == ["make test"]
+    with open(os.path.join(REPO_ROOT, ".ci", "run")) as f:
+        script = [strip_comment(line).strip() for line in f]
+    assert "make test" in script, ".ci/run must run the README's `make test`"
+    with open(os.path.join(REPO_ROOT, "Makefile")) as f:
+        assert re.search(r"^test: \$\(STAMP\)\n\t\$\(BIN\)/python -m pytest", f.read(),
+                         re.MULTILINE)
+
+
+def _make_env():
+    """The environment a user's shell would give make: no outer make's flags."""
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    return env
+
+
+@pytest.mark.slow
+def test_make_demo_runs_the_comparison_and_writes_its_outputs(tmp_path):
+    assert commands_of("demo") == ["make demo"]
+    bin_dir = os.path.dirname(sys.executable)
+    stamp = tmp_path / "installed"
+    stamp.touch()   # newer than pyproject.toml, setup.py and custom_ops/*: no venv rebuild
+    out = tmp_path / "demo_output"
+    demo_args = f"--epochs 1 --optimizers THOR,Adam --output-dir {out}"
+    result = subprocess.run(
+        ["make", "demo", f"BIN={bin_dir}", f"STAMP={stamp}", f"DEMO_ARGS={demo_args}"],
+        cwd=REPO_ROOT, env=_make_env(), capture_output=True, text=True, timeout=600)
+    log = result.stdout[-5000:] + result.stderr[-5000:]
+    assert result.returncode == 0, log
+    assert "-m venv" not in result.stdout, log     # the recipe ran, not the venv's
+    assert f"{bin_dir}/python -m tf_msopt compare {demo_args}" in result.stdout, log
+    for kind in ("mlp", "cnn"):   # the recipe's default models: both
+        assert re.search(rf"^{kind}: final epoch", result.stdout, re.MULTILINE), log
+        table = result.stdout.split(f"{kind}: final epoch", 1)[1]
+        assert "epochs to target" in table.splitlines()[1], log
+        for name in ("THOR", "Adam"):
+            assert re.search(rf"^{name} +\d+\.\d{{4}} +\d+\.\d{{4}} +\d\.\d{{3}}", table,
+                             re.MULTILINE), (kind, name, log)
+        assert os.path.getsize(out / f"{kind}_curves.png") > 10_000
+    with open(out / "results.json") as f:
+        results = json.load(f)
+    assert {kind: sorted(runs) for kind, runs in results.items()} == {
+        "mlp": ["Adam", "THOR"], "cnn": ["Adam", "THOR"]}
+
+
+def _copy_checkout(dest):
+    """The files a fresh clone has: no venv, no build outputs, no compiled library."""
+    shutil.copytree(REPO_ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "site", "demo_output", "*.egg-info", "*.so",
+        "__pycache__", ".pytest_cache"))
+
+
+@pytest.mark.slow
+def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
+    assert commands_of("install") == [INSTALL, STATUS_CHECK]
+    checkout, env_dir = tmp_path / "checkout", tmp_path / "venv"
+    _copy_checkout(checkout)
+    venv.create(env_dir, with_pip=True)
+    site = subprocess.run([str(env_dir / "bin" / "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "_dev_site_packages.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")   # tensorflow, keras, numpy
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    env.update(PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
+               VIRTUAL_ENV=str(env_dir), TF_CPP_MIN_LOG_LEVEL="2")
+
+    outputs = []
+    for command in (INSTALL, STATUS_CHECK):
+        result = subprocess.run(["bash", "-c", command], cwd=checkout, env=env,
+                                capture_output=True, text=True, timeout=900)
+        log = f"$ {command}\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+        assert result.returncode == 0, log
+        outputs.append(result.stdout)
+
+    # The runtime dependencies came from the .pth, not from a download.
+    assert re.search(r"Requirement already satisfied: tensorflow\b", outputs[0]), outputs[0]
+    assert "Downloading tensorflow" not in outputs[0], outputs[0]
+    # The isolated build compiled the library into the installed package.
+    library = os.path.join(site, "tf_msopt", "ops", "_msopt_ops.so")
+    assert os.path.exists(library), outputs[0]
+    status = outputs[1].strip().splitlines()[-1]
+    if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
+        assert status == f"pure TensorFlow ({DISABLE_ENV} is set)", outputs[1]
+    else:
+        assert status == f"custom ops loaded from {library}", outputs[1]

@@ -112,7 +112,8 @@ def prepare(kind, split):
     return (x_train - mean) / std, (x_val - mean) / std, y_train, y_val
 
 
-def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, verbose):
+def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, verbose,
+              callbacks=()):
     x_train, x_val, y_train, y_val = data
     keras.utils.set_random_seed(seed)
     model = make_model(kind, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
@@ -121,7 +122,8 @@ def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, ve
                   metrics=["accuracy"])
     clock = _EpochClock()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
-                        validation_data=(x_val, y_val), callbacks=[clock], verbose=verbose)
+                        validation_data=(x_val, y_val), callbacks=[clock, *callbacks],
+                        verbose=verbose)
     return dict(history.history, seconds=clock.seconds)
 
 

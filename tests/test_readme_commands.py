@@ -188,6 +188,7 @@ def _copy_checkout(dest):
 
 
 @pytest.mark.slow
+@pytest.mark.once
 def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     assert commands_of("install") == [INSTALL, STATUS_CHECK]
     checkout, env_dir = tmp_path / "checkout", tmp_path / "venv"

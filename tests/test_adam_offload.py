@@ -1,7 +1,6 @@
 """AdamOffload: MindSpore's golden values, the host kernel against its pure-TF path,
 groups, arguments. Training, placement, distribution and saving: test_adam_offload_training."""
 import contextlib
-import os
 
 import keras
 import numpy as np
@@ -12,9 +11,6 @@ import tf_msopt as mso
 from tf_msopt.ops import _loader
 from tf_msopt.ops.adam import adam_offload_step
 
-#: Set to a privately built op library to test it instead of tf_msopt/ops/_msopt_ops.so.
-LIBRARY_ENV = "TF_MSOPT_TEST_OPS_LIBRARY"
-
 
 def use_backend(monkeypatch, backend):
     """Selects the compiled kernel ("kernel") or the pure-TF path ("pure_tf")."""
@@ -22,9 +18,6 @@ def use_backend(monkeypatch, backend):
         monkeypatch.setenv(_loader.DISABLE_ENV, "1")
         return
     monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
-    if os.environ.get(LIBRARY_ENV):
-        monkeypatch.setattr(_loader, "LIBRARY_PATH", os.environ[LIBRARY_ENV])
-        monkeypatch.setattr(_loader, "_state", {"loaded": False, "module": None, "reason": None})
     assert hasattr(_loader.load_custom_ops(), "ms_opt_adam_offload_delta"), (
         f"the AdamOffload kernel is not loaded ({mso.ops.custom_ops_status()}; a library "
         f"built before custom_ops/adam_offload.cc existed lacks it: rebuild with setup.py)")

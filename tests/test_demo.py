@@ -73,6 +73,19 @@ def test_cli_rejects_unknown_command(capsys):
     assert "usage: tf-msopt" in capsys.readouterr().err
 
 
+def test_cli_status_prints_versions_then_the_op_status(capsys):
+    import keras
+    import tensorflow as tf
+
+    import tf_msopt as mso
+
+    assert cli.main(["status"]) == 0
+    versions, status = capsys.readouterr().out.strip().splitlines()
+    assert versions.startswith(f"tf_msopt {mso.__version__} ({mso.__file__}), "
+                               f"TensorFlow {tf.__version__}, Keras {keras.__version__}")
+    assert status == mso.ops.custom_ops_status()
+
+
 @pytest.mark.parametrize("script, expected", [
     ("sign_optimizers.py", "final validation accuracy"),
     ("lars_large_batch.py", "final test accuracy"),

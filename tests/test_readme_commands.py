@@ -47,7 +47,7 @@ KNOWN_FENCES = {"python", "py", "bash", "sh", ""}
 DISABLE_ENV = "TF_MSOPT_DISABLE_CUSTOM_OPS"
 
 INSTALL = "pip install ."
-STATUS_CHECK = 'cd ~ && python -c "import tf_msopt as mso; print(mso.ops.custom_ops_status())"'
+STATUS_CHECK = "tf-msopt status"
 RUNNERS = {
     "make demo": "demo",
     "make test": "ci",
@@ -217,7 +217,8 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     # The isolated build compiled the library into the installed package.
     library = os.path.join(site, "tf_msopt", "ops", "_msopt_ops.so")
     assert os.path.exists(library), outputs[0]
-    status = outputs[1].strip().splitlines()[-1]
+    versions, status = outputs[1].strip().splitlines()[-2:]
+    assert f"({os.path.join(site, 'tf_msopt', '__init__.py')})" in versions, outputs[1]
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         assert status == f"pure TensorFlow ({DISABLE_ENV} is set)", outputs[1]
     else:

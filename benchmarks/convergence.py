@@ -25,8 +25,8 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
+from statistics import median
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -101,10 +101,6 @@ def kfac_jax_runs(kind, target):
              kfac_jax_baseline.train_kfac_jax(kind, data, initial, epochs, batch, seed,
                                               target=target, **kwargs))
             for label, kwargs in kfac_jax_baseline.grid(kind)]
-
-
-def median(values):
-    return statistics.median(values)   # of floats with inf: inf only if half never reached
 
 
 def run(kind, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None):

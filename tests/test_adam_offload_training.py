@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import REPO_ROOT, regression_data, run_fresh_python, small_mlp
-from test_adam_offload import LIBRARY_ENV, use_backend
+from test_adam_offload import use_backend
 
 import tf_msopt as mso
 
@@ -141,12 +141,9 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
 
 
 RESUME_SCRIPT = """
-import json, os, sys
+import json, sys
 import keras, numpy as np
 sys.path.insert(0, "tests")
-from tf_msopt.ops import _loader
-if os.environ.get({library_env!r}):
-    _loader.LIBRARY_PATH = os.environ[{library_env!r}]
 import tf_msopt
 from helpers import regression_data
 x, y = regression_data()
@@ -171,7 +168,7 @@ def test_keras_file_resumes_exactly_in_a_fresh_process(tmp_path):
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     path = os.path.join(tmp_path, "model.keras")
     model.save(path)
-    result = run_fresh_python(RESUME_SCRIPT.format(path=path, library_env=LIBRARY_ENV))
+    result = run_fresh_python(RESUME_SCRIPT.format(path=path))
     assert result["type"] == "AdamOffload" and result["iterations"] == 8
     assert result["group_index"] == [None, None, 0, 0]
     assert result["groups"] == [{"params": ["head/"], "learning_rate": 0.01,

@@ -36,7 +36,7 @@ def small_model():
     (dict(split_indices=[3, 1]), ValueError, "split_indices"),
     (dict(enable_clip_grad=1), TypeError, "enable_clip_grad"),
     (dict(decay_filter="bias"), TypeError, "decay_filter"),
-    (dict(use_ema=True), ValueError, "use_ema"),
+    (dict(gradient_accumulation_steps=2), ValueError, "gradient_accumulation_steps"),
 ])
 def test_bad_arguments_raise_mindspore_types(kwargs, error, argument):
     args = dict(learning_rate=0.1, damping=0.03, momentum=0.9)
@@ -72,6 +72,7 @@ def test_report_names_every_variable_and_why():
         keras.layers.Conv2D(4, 3, name="conv"),
         keras.layers.BatchNormalization(name="bn"),
         keras.layers.DepthwiseConv2D(3, name="depthwise"),
+        keras.layers.SeparableConv2D(2, 1, name="separable"),
         keras.layers.Flatten(),
         OwnCallDense(5, name="own_call"),
         keras.layers.LayerNormalization(name="ln"),
@@ -84,10 +85,12 @@ def test_report_names_every_variable_and_why():
         assert variable.path in text
     assert sorted(report.preconditioned) == sorted(
         v.path for v in model.trainable_variables
-        if v.path.endswith(("conv/kernel", "head/kernel", "ln/gamma", "ln/beta")))
+        if v.path.endswith(("/conv/kernel", "depthwise/kernel", "head/kernel", "ln/gamma",
+                            "ln/beta")))
     reasons = report.first_order
     assert "BatchNormalization" in reasons[model.get_layer("bn").gamma.path]
-    assert "DepthwiseConv2D" in reasons[model.get_layer("depthwise").kernel.path]
+    assert "SeparableConv2D" in reasons[model.get_layer("separable").pointwise_kernel.path]
+    assert "4 channel(s), A 9x9, G 1x1 each" in text
     assert "overrides call()" in reasons[model.get_layer("own_call").kernel.path]
     assert "kernel only" in reasons[model.get_layer("head").bias.path]
     assert "A 18x18 in 1 block(s), G 4x4 in 1 block(s)" in text

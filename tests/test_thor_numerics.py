@@ -218,13 +218,16 @@ def test_model_zoo_schedules():
 ])
 def test_conv_patches_reproduce_the_convolution(layer, shape):
     """patches @ kernel.reshape(-1, filters) is the layer's output: rows in kernel order."""
-    from tf_msopt.thor.capture import conv_patches
+    from tf_msopt.thor.curvature_blocks import conv_patches
 
     layer.use_bias = False
     x = tf.constant(np.random.default_rng(0).normal(size=shape), tf.float32)
-    out = layer(x)
     if layer.data_format == "channels_first":
-        out = tf.transpose(out, [0, 2, 3, 1])
+        # TensorFlow's CPU Conv2D has no NCHW kernel: the same convolution in NHWC.
+        layer.build(shape)
+        out = tf.nn.conv2d(tf.transpose(x, [0, 2, 3, 1]), layer.kernel, layer.strides, "VALID")
+    else:
+        out = layer(x)
     product = conv_patches(layer, x) @ tf.reshape(layer.kernel, [-1, layer.filters])
     np.testing.assert_allclose(product.numpy(), tf.reshape(out, [-1, layer.filters]).numpy(),
                                rtol=1e-5, atol=1e-5)
@@ -232,7 +235,7 @@ def test_conv_patches_reproduce_the_convolution(layer, shape):
 
 def test_numpy_im2col_matches_tensorflow():
     """The reference's own im2col (stride 2, 'same' with the extra pad at the end)."""
-    from tf_msopt.thor.capture import conv_patches
+    from tf_msopt.thor.curvature_blocks import conv_patches
 
     layer = keras.layers.Conv2D(2, 3, strides=2, padding="same")
     x = np.random.default_rng(1).normal(size=(2, 6, 5, 2))

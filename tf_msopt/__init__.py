@@ -4,7 +4,8 @@ from tf_msopt.loss_scale import (DynamicLossScaleManager, DynamicLossScaleUpdate
                                  FixedLossScaleManager, FixedLossScaleUpdateCell,
                                  LossScaleOptimizer)
 from tf_msopt.optimizers import AdamOffload, AddSign, LARS, PowerSign
-from tf_msopt.thor import THOR, thor
+from tf_msopt import thor  # the package; calling it creates a THOR (see its docstring)
+from tf_msopt.thor import THOR
 
 __version__ = "0.1.0"
 

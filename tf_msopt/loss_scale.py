@@ -425,6 +425,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         self._update_cell = update_cell
         self._unscale_in_apply = True
         self._user_unscaled_gradients = False
+        # An inner optimizer that needs the scale (THOR: in its curvature statistics).
+        link = getattr(inner_optimizer, "link_loss_scale_optimizer", None)
+        if link is not None:
+            link(self)
 
     def build(self, var_list):
         if self.built:

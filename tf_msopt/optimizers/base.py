@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context
 from tf_msopt._validation import check_bool, type_name
 from tf_msopt.schedules import PerStepSchedule
@@ -155,7 +156,7 @@ def serialize_filter(spec, arg, owner):
     return keras.saving.serialize_keras_object(spec)
 
 
-class MindSporeOptimizer(keras.optimizers.Optimizer):
+class MindSporeOptimizer(compat.Optimizer):
     """Base of the package's optimizers.
 
     Subclasses implement :meth:`_update` (the per-variable math, writing through

@@ -1,16 +1,18 @@
 """THOR: trace-based hardware-driven layer-oriented natural gradient (Chen et al. 2021)."""
-import sys
+import dataclasses
+import weakref
 
 import keras
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import check_bool, check_float, check_int, check_number_range, type_name
 from tf_msopt.optimizers.base import (MindSporeOptimizer, check_filter, make_variable_filter,
                                       resolve_learning_rate, serialize_filter)
-from tf_msopt.thor import blocks
-from tf_msopt.thor.capture import (EMBEDDING, LAYER_NORM, LayerSpec, LayerStatistics, ReportRow,
-                                   describe, install, survey, treated_variables)
+from tf_msopt.thor import curvature_blocks
+from tf_msopt.thor.capture import LayerStatistics, ReportRow, install, survey
+from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.report import ThorReport
 
 __all__ = ["THOR", "connect", "thor"]
@@ -67,13 +69,24 @@ def _buckets(count, split_indices):
 
 
 class _Connection:
-    """What :meth:`THOR.connect` sets up: the layers, the capture buffers, the report rows."""
+    """What :meth:`THOR.connect` sets up: the model, its treated layers, the capture buffers,
+    the report rows."""
 
-    def __init__(self, layers, statistics, batch, rows):
+    def __init__(self, model, layers, statistics, batch, rows):
+        self.model = weakref.ref(model)
         self.layers = layers
         self.statistics = statistics
         self.batch = batch
         self.rows = rows
+
+
+def _block_from_config(config):
+    if isinstance(config, curvature_blocks.CurvatureBlock):
+        return config
+    cls = curvature_blocks.REGISTRY[config["kind"]]
+    fields = {field.name for field in dataclasses.fields(cls)}
+    return curvature_blocks.from_config(
+        {key: value for key, value in config.items() if key in fields or key == "kind"})
 
 
 @register
@@ -121,7 +134,8 @@ class THOR(MindSporeOptimizer):
         enable_clip_grad: bool; clip each gradient to norm 1.
         frequency: int >= 2, steps between THOR steps.
         block_size: int or None (one block per factor); default 128.
-        layers: the layer specs (set by :func:`tf_msopt.thor`; kept in the config).
+        layers: the curvature blocks' configs (set by :func:`tf_msopt.thor`; kept in
+            the config).
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
@@ -147,10 +161,13 @@ class THOR(MindSporeOptimizer):
         split_indices = _check_split_indices(split_indices)
         block_size = _check_block_size(block_size)
         check_filter(decay_filter, "decay_filter", _OWNER)
-        for arg in ("use_ema", "gradient_accumulation_steps"):
-            if kwargs.get(arg):
-                raise ValueError(f"For '{_OWNER}', '{arg}' is not supported, but got "
-                                 f"{arg}={kwargs[arg]!r}.")
+        if kwargs.get("gradient_accumulation_steps"):
+            raise ValueError(
+                f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "
+                f"curvature statistics from the backward pass of each step, and an "
+                f"accumulated update would mix statistics of one batch with gradients of "
+                f"several. Got gradient_accumulation_steps="
+                f"{kwargs['gradient_accumulation_steps']!r}; use a larger batch instead.")
         damping = resolve_learning_rate(damping, _OWNER, arg="damping")
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=weight_decay, **kwargs)
@@ -165,17 +182,64 @@ class THOR(MindSporeOptimizer):
         self.enable_clip_grad = enable_clip_grad
         self.frequency = frequency
         self.block_size = block_size
-        self._specs = None if layers is None else tuple(
-            s if isinstance(s, LayerSpec) else LayerSpec.from_config(s) for s in layers)
+        self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
         self._rules = None
         self._loss_scale_optimizer = None
+        self._thor_initialised = True
 
     # --- layers and connection
 
     @property
-    def _second_order_specs(self):
-        return [spec for spec in self._specs if spec.second_order]
+    def _factored_blocks(self):
+        return [block for block in self._blocks if block.has_factors]
+
+    # --- the loss scale of a wrapping LossScaleOptimizer
+
+    def __setattr__(self, name, value):
+        # keras.optimizers.LossScaleOptimizer sets its inner optimizer's loss_scale_factor
+        # to None when it wraps it (_keras_compat checks that it still does): from then on
+        # the gradients THOR gets are unscaled, but G still carries the squared scale.
+        if name == "loss_scale_factor" and value is None and self.__dict__.get(
+                "_thor_initialised"):
+            self.__dict__["_thor_wrapped"] = True
+        super().__setattr__(name, value)
+
+    def link_loss_scale_optimizer(self, optimizer):
+        """Tells THOR which ``keras.optimizers.LossScaleOptimizer`` (``tf_msopt``'s
+        included) applies it, so that ``G`` is divided by the square of its scale.
+
+        ``tf_msopt.LossScaleOptimizer`` calls it itself, and a wrapper that is
+        ``model.optimizer`` (or wraps it) is found without it; call it for Keras'
+        class in a custom loop whose model is not compiled with the wrapper.
+        """
+        if not (isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
+                and optimizer.inner_optimizer is self):
+            raise ValueError(
+                f"For '{_OWNER}', link_loss_scale_optimizer needs the LossScaleOptimizer whose "
+                f"inner_optimizer is this THOR, but got '{type_name(optimizer)}'.")
+        self._loss_scale_optimizer = optimizer
+        self.__dict__["_thor_wrapped"] = True
+
+    def _wrapping_loss_scale_optimizer(self):
+        """The LossScaleOptimizer that applies this THOR, None if there is none; raises when
+        THOR is wrapped by one it cannot find (G would keep the squared loss scale)."""
+        if self._loss_scale_optimizer is not None or not self.__dict__.get("_thor_wrapped"):
+            return self._loss_scale_optimizer
+        model = self._connection.model()
+        outer = getattr(model, "optimizer", None)
+        while outer is not None and outer is not self:
+            if (isinstance(outer, keras.optimizers.LossScaleOptimizer)
+                    and outer.inner_optimizer is self):
+                self._loss_scale_optimizer = outer
+                return outer
+            outer = getattr(outer, "inner_optimizer", None)
+        raise RuntimeError(
+            f"This {_OWNER} optimizer is wrapped in a keras.optimizers.LossScaleOptimizer that "
+            f"it cannot find, so it cannot undo the loss scale in its curvature statistics. "
+            f"Compile the model with the wrapper (model.compile(optimizer=wrapper)), use "
+            f"tf_msopt.LossScaleOptimizer, or call thor_optimizer.link_loss_scale_optimizer("
+            f"wrapper) before training.")
 
     def connect(self, model):
         """Connects THOR to ``model``: patches its layers to capture statistics.
@@ -188,28 +252,28 @@ class THOR(MindSporeOptimizer):
         Returns:
             this optimizer.
         """
-        specs, layers, rows = survey(model, self.block_size)
-        if self._specs is None:
+        blocks, layers, rows = survey(model, self.block_size)
+        if self._blocks is None:
             if self.built:
                 raise ValueError(f"For '{_OWNER}', the optimizer was built without layer specs; "
                                  f"create it with tf_msopt.thor(model, ...) instead.")
-            self._specs = tuple(specs)
-        elif list(specs) != list(self._specs):
+            self._blocks = tuple(blocks)
+        elif list(blocks) != list(self._blocks):
             raise ValueError(
                 f"For '{_OWNER}', the model's layers do not match the layers this optimizer was "
-                f"created for.\n  optimizer: {[s.get_config() for s in self._specs]}\n"
-                f"  model:     {[s.get_config() for s in specs]}"
+                f"created for.\n  optimizer: {[b.get_config() for b in self._blocks]}\n"
+                f"  model:     {[b.get_config() for b in blocks]}"
             )
-        with self._distribution_strategy.scope():
-            statistics = [LayerStatistics(spec, self.block_size) for spec in specs
-                          if spec.second_order]
+        with compat.distribution_strategy(self).scope():
+            statistics = [LayerStatistics(block, self.block_size) for block in blocks
+                          if block.has_factors]
             batch = keras.Variable(float(self.batch_size), dtype="float32", trainable=False,
                                    name="global_batch")
         buffers = iter(statistics)
-        for spec, layer in zip(specs, layers):
-            install(layer, spec, next(buffers) if spec.second_order else None, batch,
+        for block, layer in zip(blocks, layers):
+            install(layer, block, next(buffers) if block.has_factors else None, batch,
                     self._is_thor_step, self.block_size)
-        self._connection = _Connection(layers, statistics, batch, rows)
+        self._connection = _Connection(model, layers, statistics, batch, rows)
         self._rules = None
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again
@@ -222,9 +286,9 @@ class THOR(MindSporeOptimizer):
         if self._connection is not None:
             rows = self._connection.rows
         else:
-            rows = [ReportRow(spec.layer, spec.kind, f"{spec.layer}/{name}",
-                              describe(spec, self.block_size), "")
-                    for spec in self._specs or () for name in spec.variables]
+            rows = [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
+                              block.describe(self.block_size), "")
+                    for block in self._blocks or () for name in block.variables]
         return ThorReport(tuple(rows), self.frequency, self.block_size, inverse_backend(),
                           self._connection is not None)
 
@@ -233,37 +297,36 @@ class THOR(MindSporeOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        if self._specs is None:
+        if self._blocks is None:
             raise ValueError(f"For '{_OWNER}', the optimizer has no layers; create it with "
                              f"tf_msopt.thor(model, ...) or call connect(model) first.")
         super().build(var_list)
         self.momentums = [self.add_variable_from_reference(v, "momentum") for v in var_list]
         self.a_inverses, self.g_inverses = [], []
-        for spec in self._second_order_specs:
-            self.a_inverses.append(self.add_variable(
-                spec.a_shape(self.block_size), initializer=_identity_blocks,
-                name=f"{spec.layer}_a_inverse"))
-            self.g_inverses.append(self.add_variable(
-                spec.g_layout(self.block_size).shape, initializer=_identity_blocks,
-                name=f"{spec.layer}_g_inverse"))
+        for block in self._factored_blocks:
+            a_shape, g_shape = block.factor_shapes(self.block_size)
+            self.a_inverses.append(self.add_variable(a_shape, initializer=_identity_blocks,
+                                                     name=f"{block.layer}_a_inverse"))
+            self.g_inverses.append(self.add_variable(g_shape, initializer=_identity_blocks,
+                                                     name=f"{block.layer}_g_inverse"))
         self.damping_retries = self.add_variable((), initializer="zeros", dtype="int64",
                                                  name="damping_retries")
         self.failed_inverses = self.add_variable((), initializer="zeros", dtype="int64",
                                                  name="failed_inverses")
         self._decay_flags = [self.weight_decay > 0 and bool(self._decay_filter(v))
-                             for v in var_list]
+                             and compat.uses_weight_decay(self, v) for v in var_list]
 
     # --- the step
 
     def _is_thor_step(self):
-        return tf.equal(tf.math.floormod(tf.convert_to_tensor(self._iterations), self.frequency),
+        return tf.equal(tf.math.floormod(tf.convert_to_tensor(self.iterations), self.frequency),
                         0)
 
     def _damping(self):
         if isinstance(self.damping, float):
             value = self.damping
         elif isinstance(self.damping, _Schedule):
-            value = self.damping(self._iterations)
+            value = self.damping(self.iterations)
         else:
             value = self.damping()
         return tf.cast(value, tf.float32)
@@ -276,40 +339,38 @@ class THOR(MindSporeOptimizer):
                 f"tf_msopt.thor(model, ...), or after keras.models.load_model call "
                 f"tf_msopt.thor.connect(model)."
             )
-        self._loss_scale_optimizer = _calling_loss_scale_optimizer(self)
+        self._wrapping_loss_scale_optimizer()
         # Embedding gradients arrive as IndexedSlices; the preconditioned update is dense.
         grads = [tf.convert_to_tensor(g) if isinstance(g, tf.IndexedSlices) else g
                  for g in grads]
         return super().apply(grads, trainable_variables)
 
-    def _apply_weight_decay(self, variables):
+    def decay_weights(self, variables):
         """No decoupled decay: THOR adds ``weight_decay * w`` after preconditioning."""
 
     def _variable_rules(self):
-        """Per variable index: ``(kind, index among preconditioned layers)``, or None.
+        """Per variable index: ``(block, index among factored blocks)``, or None.
 
         Matched by object (update_step only sees tf.Variables, and paths change
         when a model is loaded)."""
-        rules = [None] * len(self._trainable_variables)
-        second_order = 0
-        for spec, layer in zip(self._specs, self._connection.layers):
-            for variable in treated_variables(layer, spec):
-                key = self._var_key(variable)
-                if key in self._trainable_variables_indices:
-                    rules[self._trainable_variables_indices[key]] = (
-                        spec.kind, second_order if spec.second_order else None)
-            second_order += spec.second_order
+        rules = [None] * len(compat.trainable_variables(self))
+        factored = 0
+        for block, layer in zip(self._blocks, self._connection.layers):
+            for variable in block.treated_variables(layer):
+                index = compat.tracked_index(self, variable)
+                if index is not None:
+                    rules[index] = (block, factored if block.has_factors else None)
+            factored += block.has_factors
         return rules
 
-    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+    def update_variables(self, grads, trainable_variables, learning_rate):
         if self._rules is None:
             self._rules = self._variable_rules()
         # This replica's statistics, read in replica context; summed in _refresh_inverses.
         local = [(tf.convert_to_tensor(s.a), tf.convert_to_tensor(s.g),
                   tf.convert_to_tensor(s.rows)) for s in self._connection.statistics]
-        tf.__internal__.distribute.interim.maybe_merge_call(
-            self._refresh_inverses, self._distribution_strategy, local)
-        super()._backend_update_step(grads, trainable_variables, learning_rate)
+        compat.merge_call(self._refresh_inverses, compat.distribution_strategy(self), local)
+        super().update_variables(grads, trainable_variables, learning_rate)
 
     def _loss_scale(self):
         """Every scale on the loss: ``loss_scale``, Keras' ``loss_scale_factor`` and the scale
@@ -343,37 +404,26 @@ class THOR(MindSporeOptimizer):
 
     def _refresh_layer(self, _, index, a, g, rows, damping, g_scale):
         """New inverses of one layer on one device, from statistics summed over replicas."""
-        spec = self._second_order_specs[index]
+        block = self._factored_blocks[index]
         a_inverse, g_inverse = self.a_inverses[index], self.g_inverses[index]
         a_previous, g_previous = tf.convert_to_tensor(a_inverse), tf.convert_to_tensor(g_inverse)
         observed = rows > 0
         rows = tf.maximum(rows, 1.0)
-        g_layout = spec.g_layout(self.block_size)
-        g_new, g_retried, g_kept = blocks.robust_inverse(
-            g / rows * g_scale + g_layout.padding_diagonal(), damping, g_previous)
-        if spec.kind == EMBEDDING:
-            a_new, a_retried, a_kept = blocks.robust_reciprocal(a / rows, damping, a_previous)
-        else:
-            a_new, a_retried, a_kept = blocks.robust_inverse(
-                a / rows + spec.a_layout(self.block_size).padding_diagonal(), damping,
-                a_previous)
+        (a_new, g_new), retried, kept = block.invert(
+            a / rows, g / rows * g_scale, damping, (a_previous, g_previous), self.block_size)
         self.assign(a_inverse, tf.where(observed, a_new, a_previous))
         self.assign(g_inverse, tf.where(observed, g_new, g_previous))
         zero = tf.zeros((), tf.int64)
-        self.assign_add(self.damping_retries, tf.where(observed, a_retried + g_retried, zero))
-        self.assign_add(self.failed_inverses, tf.where(observed, a_kept + g_kept, zero))
+        self.assign_add(self.damping_retries, tf.where(observed, retried, zero))
+        self.assign_add(self.failed_inverses, tf.where(observed, kept, zero))
 
     def _update(self, gradient, variable, learning_rate):
         index = self._get_variable_index(variable)
         gradient = tf.cast(gradient, tf.float32)
         if self.loss_scale != 1.0:
             gradient = gradient / self.loss_scale
-        rule = self._rules[index]
-        if rule is not None and rule[0] == LAYER_NORM:
-            batch = tf.convert_to_tensor(self._connection.batch)
-            gradient = gradient / (tf.square(gradient) / batch + tf.sqrt(self._damping()))
-        elif rule is not None:
-            gradient = self._precondition(gradient, *rule)
+        if self._rules[index] is not None:
+            gradient = self._precondition(gradient, *self._rules[index])
         gradient = tf.cast(gradient, variable.dtype)
         if self._decay_flags[index]:
             gradient += tf.cast(self.weight_decay, variable.dtype) * variable
@@ -385,19 +435,14 @@ class THOR(MindSporeOptimizer):
             lr=tf.cast(learning_rate, variable.dtype), grad=gradient,
             momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
 
-    def _precondition(self, gradient, kind, index):
-        """``A_inv g G_inv`` (``diag(a_inv) g G_inv`` for an embedding) on the kernel
-        viewed as ``(a_dim, g_dim)``."""
-        spec = self._second_order_specs[index]
-        matrix = tf.reshape(gradient, [spec.a_dim, spec.g_dim])
-        a_inverse = tf.convert_to_tensor(self.a_inverses[index])
-        if kind == EMBEDDING:
-            matrix = a_inverse[:, tf.newaxis] * matrix
+    def _precondition(self, gradient, block, index):
+        if block.has_factors:
+            state = Preconditioning(a_inverse=tf.convert_to_tensor(self.a_inverses[index]),
+                                    g_inverse=tf.convert_to_tensor(self.g_inverses[index]))
         else:
-            matrix = blocks.left_multiply(a_inverse, spec.a_layout(self.block_size), matrix)
-        matrix = blocks.right_multiply(matrix, tf.convert_to_tensor(self.g_inverses[index]),
-                                       spec.g_layout(self.block_size))
-        return tf.reshape(matrix, tf.shape(gradient))
+            state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
+                                    damping=self._damping())
+        return block.precondition(gradient, state, self.block_size)
 
     # --- serialization
 
@@ -414,29 +459,9 @@ class THOR(MindSporeOptimizer):
             "enable_clip_grad": self.enable_clip_grad,
             "frequency": self.frequency,
             "block_size": self.block_size,
-            "layers": None if self._specs is None else [s.get_config() for s in self._specs],
+            "layers": None if self._blocks is None else [b.get_config() for b in self._blocks],
         })
         return config
-
-
-def _calling_loss_scale_optimizer(inner, depth=32):
-    """The ``keras.optimizers.LossScaleOptimizer`` (``tf_msopt``'s included) whose ``apply``
-    is calling ``inner.apply`` right now, or None.
-
-    A LossScaleOptimizer holds its inner optimizer but the inner one is not told
-    about it; its scale is needed to undo the loss scale in G. Looked up while
-    tracing, on the caller frames (in ``fit``, custom loops and replica threads).
-    """
-    frame = sys._getframe(2)
-    for _ in range(depth):
-        if frame is None:
-            return None
-        caller = frame.f_locals.get("self")
-        if (isinstance(caller, keras.optimizers.LossScaleOptimizer)
-                and caller.inner_optimizer is inner):
-            return caller
-        frame = frame.f_back
-    return None
 
 
 def _sum_over_replicas(distribution, values, destination):

@@ -1,0 +1,255 @@
+"""Every private Keras and TensorFlow name tf_msopt uses, in one place.
+
+Keras and TensorFlow promise nothing about these names. Each one is checked when
+tf_msopt is imported (it exists, and a method still takes the parameters the
+package passes), so a release that renames or reshapes one makes ``import
+tf_msopt`` fail with the name and the version, never train with wrong numbers.
+
+The rest of the package goes through the functions and base classes below: the
+base classes turn Keras' private optimizer hooks into methods with package names.
+"""
+import inspect
+import re
+
+import keras
+import tensorflow as tf
+from tensorflow.python.ops import control_flow_util
+
+__all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "check",
+           "distribution_strategy", "flatten_layers", "in_xla_context", "merge_call",
+           "optimizer_own_variables", "overwrites_with_gradient", "own_trainable_variables",
+           "strategy_supports_no_merge_call", "trainable_variables", "tracked_index",
+           "uses_weight_decay", "variable_index"]
+
+
+class KerasCompatibilityError(ImportError):
+    """A private Keras/TensorFlow name tf_msopt relies on is gone or has changed."""
+
+
+# (owner, name, the parameters the package passes, after self)
+_METHODS = (
+    (keras.optimizers.Optimizer, "_backend_update_step",
+     ("grads", "trainable_variables", "learning_rate")),
+    (keras.optimizers.Optimizer, "_distributed_tf_update_step",
+     ("distribution", "grads_and_vars", "learning_rate")),
+    (keras.optimizers.Optimizer, "_apply_weight_decay", ("variables",)),
+    (keras.optimizers.Optimizer, "_use_weight_decay", ("variable",)),
+    (keras.optimizers.Optimizer, "_get_variable_index", ("variable",)),
+    (keras.optimizers.Optimizer, "_var_key", ("variable",)),
+    (keras.optimizers.Optimizer, "_overwrite_variable_with_gradient", ("variable",)),
+    (keras.optimizers.LossScaleOptimizer, "_tf_apply", ("grads", "trainable_variables")),
+    (keras.optimizers.LossScaleOptimizer, "_common_apply", ("grads", "trainable_variables")),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_finite_grads",
+     ("grads", "trainable_variables")),
+    (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
+    (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
+)
+# (owner, attributes its __init__ or build assigns on self)
+_INSTANCE_ATTRIBUTES = (
+    (keras.optimizers.Optimizer, ("_variables", "_trainable_variables",
+                                  "_trainable_variables_indices", "_distribution_strategy")),
+    (keras.layers.Layer, ("_trainable_variables",)),
+)
+# (owner, method, a statement its source must hold: behaviour the package relies on)
+_STATEMENTS = (
+    # THOR learns that it is wrapped from this assignment (tf_msopt/thor/optimizer.py).
+    (keras.optimizers.LossScaleOptimizer, "__init__",
+     "self.inner_optimizer.loss_scale_factor = None"),
+)
+# (module, dotted name, parameters)
+_FUNCTIONS = (
+    (tf.__internal__.distribute, "strategy_supports_no_merge_call", ()),
+    (tf.__internal__.distribute, "interim.maybe_merge_call", ("fn", "strategy")),
+    (control_flow_util, "GraphOrParentsInXlaContext", ("graph",)),
+)
+
+
+def _versions():
+    return f"Keras {keras.__version__}, TensorFlow {tf.__version__}"
+
+
+def _missing(what, detail):
+    return KerasCompatibilityError(
+        f"tf_msopt cannot run on {_versions()}: it relies on {what}, which {detail}. "
+        f"tf_msopt is tested with TensorFlow 2.21 and Keras 3.15; install those, or a "
+        f"tf_msopt release that supports this version.")
+
+
+def _check_parameters(function, what, parameters):
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return
+    if names and names[0] == "self":
+        names = names[1:]
+    if names[:len(parameters)] != list(parameters):
+        raise _missing(what, f"now takes ({', '.join(names)}) instead of "
+                             f"({', '.join(parameters)})")
+
+
+def _assigned_in_source(owner, attribute):
+    pattern = re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
+    for cls in owner.__mro__:
+        try:
+            if pattern.search(inspect.getsource(cls)):
+                return True
+        except (OSError, TypeError):
+            continue
+    return False
+
+
+def check():
+    """Raises :class:`KerasCompatibilityError` naming the first private name that is gone
+    or changed; called when tf_msopt is imported."""
+    for owner, name, parameters in _METHODS:
+        what = f"{owner.__module__}.{owner.__qualname__}.{name}"
+        method = getattr(owner, name, None)
+        if not callable(method):
+            raise _missing(what, "does not exist")
+        _check_parameters(method, what, parameters)
+    for owner, attributes in _INSTANCE_ATTRIBUTES:
+        for attribute in attributes:
+            if not _assigned_in_source(owner, attribute):
+                raise _missing(f"{owner.__qualname__}.{attribute}",
+                               "is no longer set by the class")
+    for owner, method, statement in _STATEMENTS:
+        try:
+            source = inspect.getsource(getattr(owner, method))
+        except (OSError, TypeError):
+            continue
+        if statement not in source:
+            raise _missing(f"{owner.__qualname__}.{method} running `{statement}`",
+                           "it no longer does")
+    for module, dotted, parameters in _FUNCTIONS:
+        what = f"{module.__name__}.{dotted}"
+        target = module
+        for part in dotted.split("."):
+            target = getattr(target, part, None)
+        if not callable(target):
+            raise _missing(what, "does not exist")
+        _check_parameters(target, what, parameters)
+
+
+check()
+
+
+# ----------------------------------------------------------------------- accessors
+
+
+def flatten_layers(model):
+    """Every layer inside ``model`` (nested models, wrappers and sub-layers), depth first."""
+    return list(model._flatten_layers(include_self=False, recursive=True))
+
+
+def own_trainable_variables(layer):
+    """The trainable variables ``layer`` itself creates (not its sub-layers')."""
+    return [v for v in layer._trainable_variables if v.trainable]
+
+
+def distribution_strategy(optimizer):
+    """The strategy ``optimizer`` was created under."""
+    return optimizer._distribution_strategy
+
+
+def trainable_variables(optimizer):
+    """The variables ``optimizer`` was built for, in order."""
+    return optimizer._trainable_variables
+
+
+def optimizer_own_variables(optimizer):
+    """``optimizer``'s own variables (a wrapper's, without its inner optimizer's)."""
+    return optimizer._variables
+
+
+def variable_index(optimizer, variable):
+    """The position of ``variable`` among the variables ``optimizer`` was built for."""
+    return optimizer._get_variable_index(variable)
+
+
+def tracked_index(optimizer, variable):
+    """Like :func:`variable_index`, or None for a variable the optimizer does not track."""
+    return optimizer._trainable_variables_indices.get(optimizer._var_key(variable))
+
+
+def uses_weight_decay(optimizer, variable):
+    """False where ``exclude_from_weight_decay`` excludes ``variable``."""
+    return optimizer._use_weight_decay(variable)
+
+
+def overwrites_with_gradient(optimizer, variable):
+    """True for a variable whose "gradient" is its new value (``overwrite_with_gradient``)."""
+    return optimizer._overwrite_variable_with_gradient(variable)
+
+
+def merge_call(fn, strategy, *args):
+    """``fn(strategy, *args)`` in cross-replica context, from replica context."""
+    return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)
+
+
+def strategy_supports_no_merge_call():
+    return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def in_xla_context():
+    """True while tracing inside a ``jit_compile=True`` function."""
+    return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
+
+
+# ------------------------------------------------------------------------- hooks
+
+
+class Optimizer(keras.optimizers.Optimizer):
+    """``keras.optimizers.Optimizer`` with its private hooks under package names.
+
+    Subclasses override :meth:`update_variables` (all variables of a step),
+    :meth:`distributed_update` (the same, in cross-replica context) and
+    :meth:`decay_weights` (decoupled weight decay) instead of Keras' private methods.
+    """
+
+    def _backend_update_step(self, grads, trainable_variables, learning_rate):
+        return self.update_variables(grads, trainable_variables, learning_rate)
+
+    def update_variables(self, grads, trainable_variables, learning_rate):
+        return keras.optimizers.Optimizer._backend_update_step(
+            self, grads, trainable_variables, learning_rate)
+
+    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+        return self.distributed_update(distribution, grads_and_vars, learning_rate)
+
+    def distributed_update(self, distribution, grads_and_vars, learning_rate):
+        return keras.optimizers.Optimizer._distributed_tf_update_step(
+            self, distribution, grads_and_vars, learning_rate)
+
+    def _apply_weight_decay(self, variables):
+        return self.decay_weights(variables)
+
+    def decay_weights(self, variables):
+        return keras.optimizers.Optimizer._apply_weight_decay(self, variables)
+
+
+class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+    """``keras.optimizers.LossScaleOptimizer`` with its private hooks under package names:
+    :meth:`apply_in_context` (``apply`` on TensorFlow), :meth:`apply_checked` (finite
+    check, then one of the next two), :meth:`apply_finite` and :meth:`skip_non_finite`."""
+
+    def _tf_apply(self, grads, trainable_variables=None):
+        return self.apply_in_context(grads, trainable_variables)
+
+    def apply_in_context(self, grads, trainable_variables=None):
+        return keras.optimizers.LossScaleOptimizer._tf_apply(self, grads, trainable_variables)
+
+    def apply_checked(self, grads, trainable_variables=None):
+        return self._common_apply(grads, trainable_variables)
+
+    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+        return self.apply_finite(grads, trainable_variables)
+
+    def apply_finite(self, grads, trainable_variables):
+        return keras.optimizers.LossScaleOptimizer._stateful_handle_finite_grads(
+            self, grads, trainable_variables)
+
+    def _stateful_handle_non_finite_grads(self):
+        return self.skip_non_finite()
+
+    def skip_non_finite(self):
+        return keras.optimizers.LossScaleOptimizer._stateful_handle_non_finite_grads(self)

@@ -54,6 +54,25 @@ def _layer_norm_model():
                              keras.layers.Dense(2, name="head")])
 
 
+def _attention_projections_model():
+    """MultiHeadAttention's two kinds of projection, as Keras builds them."""
+    return keras.Sequential([
+        keras.Input((3, 4)),
+        keras.layers.EinsumDense("abc,cde->abde", (3, 2, 3), bias_axes="de", activation="tanh",
+                                 name="query"),                       # kernel (4, 2, 3)
+        keras.layers.EinsumDense("abcd,cde->abe", (3, 5), bias_axes="e", name="output"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(2, name="head")])
+
+
+def _depthwise_model():
+    return keras.Sequential([keras.Input((6, 6, 3)),
+                             keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2,
+                                                          activation="tanh", name="depthwise"),
+                             keras.layers.Flatten(),
+                             keras.layers.Dense(2, name="head")])
+
+
 MODELS = {
     "dense": (_dense_model, lambda rng: rng.normal(size=(BATCH, 5)), 3),
     "conv_same": (lambda: _conv_model("same"), lambda rng: rng.normal(size=(BATCH, 7, 7, 2)), 2),
@@ -61,6 +80,9 @@ MODELS = {
                    2),
     "embedding": (_embedding_model, lambda rng: rng.integers(0, 10, size=(BATCH, 3)), 2),
     "layer_norm": (_layer_norm_model, lambda rng: rng.normal(size=(BATCH, 5)), 2),
+    "einsum_dense": (_attention_projections_model, lambda rng: rng.normal(size=(BATCH, 3, 4)),
+                     2),
+    "depthwise": (_depthwise_model, lambda rng: rng.normal(size=(BATCH, 6, 6, 3)), 2),
 }
 
 
@@ -69,7 +91,14 @@ def reference_network(model):
     layers = []
     for layer in model.layers:
         weights = [w.numpy() for w in layer.weights]
-        if isinstance(layer, keras.layers.Dense):
+        activation = getattr(getattr(layer, "activation", None), "__name__", "linear")
+        if isinstance(layer, keras.layers.EinsumDense):
+            inputs, kernel = layer.equation.split("->")[0].split(",")
+            contracted = sum(axis in inputs for axis in kernel)
+            layers.append(ref.EinsumDense(layer.name, *weights, contracted, activation))
+        elif isinstance(layer, keras.layers.DepthwiseConv2D):
+            layers.append(ref.DepthwiseConv2D(layer.name, *weights, layer.strides, activation))
+        elif isinstance(layer, keras.layers.Dense):
             layers.append(ref.Dense(layer.name, *weights, activation=layer.activation.__name__))
         elif isinstance(layer, keras.layers.Conv2D):
             layers.append(ref.Conv2D(layer.name, *weights, layer.strides, layer.padding,

@@ -54,14 +54,19 @@ def test_fit_on_digits_beats_sgd_momentum(build, damping, image):
     assert thor < 0.8 * sgd, (thor, sgd)
 
 
-def mixed_model():
-    """Conv2D, Embedding, LayerNorm and Dense in one small functional model."""
+def mixed_model(attention=True):
+    """Conv2D, Embedding, MultiHeadAttention (unless ``attention`` is False), LayerNorm and
+    Dense in one small functional model."""
     keras.utils.set_random_seed(0)
     image = keras.Input((6, 6, 1))
     ids = keras.Input((3,), dtype="int32")
     a = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="tanh",
                             name="conv")(image)
-    b = keras.layers.Flatten()(keras.layers.Embedding(7, 2, name="emb")(ids))
+    tokens = keras.layers.Embedding(7, 4, name="emb")(ids)
+    if attention:
+        tokens = keras.layers.MultiHeadAttention(2, 2, use_bias=False,
+                                                 name="attention")(tokens, tokens)
+    b = keras.layers.Flatten()(tokens)
     h = keras.layers.Concatenate()([keras.layers.Flatten()(a), b])
     h = keras.layers.LayerNormalization(name="ln")(h)
     return keras.Model([image, ids], keras.layers.Dense(2, name="head")(h))
@@ -111,8 +116,10 @@ def plain_weights():
         optimizer, mso.DynamicLossScaleManager(2.0 ** 12, 2, 2))),
     dict(wrap=lambda optimizer: mso.LossScaleOptimizer(
         optimizer, mso.FixedLossScaleManager(128.0, drop_overflow_update=False))),
+    dict(wrap=lambda optimizer: keras.optimizers.LossScaleOptimizer(
+        optimizer, initial_scale=2.0 ** 10, dynamic_growth_steps=2)),   # found via the model
     dict(loss_scale_factor=64.0),                      # Keras' own argument
-], ids=["dynamic", "fixed_no_drop", "loss_scale_factor"])
+], ids=["dynamic", "fixed_no_drop", "keras_wrapper", "loss_scale_factor"])
 def test_loss_scale_is_undone_in_g(scaling):
     assert_weights_close(train_mixed(**scaling), plain_weights())
 
@@ -122,11 +129,15 @@ def test_loss_scale_in_a_custom_loop():
     LossScaleOptimizer around THOR in a custom loop (its scale is undone in G)."""
     x, y = mixed_data()
 
-    def run(loss_scale=1.0, wrapper_scale=None):
+    def run(loss_scale=1.0, wrapper_scale=None, keras_wrapper=False):
         model = mixed_model()
         optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4,
                              loss_scale=loss_scale)
-        if wrapper_scale is not None:
+        if keras_wrapper:       # Keras' class, outside any compiled model: linked by hand
+            thor, optimizer = optimizer, keras.optimizers.LossScaleOptimizer(
+                optimizer, initial_scale=wrapper_scale)
+            thor.link_loss_scale_optimizer(optimizer)
+        elif wrapper_scale is not None:
             optimizer = mso.LossScaleOptimizer(optimizer, wrapper_scale)
         optimizer.build(model.trainable_variables)
 
@@ -144,6 +155,22 @@ def test_loss_scale_in_a_custom_loop():
 
     assert_weights_close(run(loss_scale=16.0), plain_weights())   # a custom loop equals fit
     assert_weights_close(run(wrapper_scale=32.0), plain_weights())
+    assert_weights_close(run(wrapper_scale=32.0, keras_wrapper=True), plain_weights())
+
+
+def test_wrapper_thor_cannot_find_raises():
+    """Keras' LossScaleOptimizer around THOR in a custom loop, neither compiled with the model
+    nor linked: THOR cannot undo the scale in G, so it refuses to train."""
+    model = mixed_model()
+    optimizer = keras.optimizers.LossScaleOptimizer(mso.thor(model, 0.05, 0.05, 0.9))
+    x, y = mixed_data(8)
+    with tf.GradientTape() as tape:
+        loss = optimizer.scale_loss(tf.reduce_mean(tf.square(model(x) - y)))
+    grads = tape.gradient(loss, model.trainable_variables)
+    with pytest.raises(RuntimeError, match="link_loss_scale_optimizer"):
+        optimizer.apply(grads, model.trainable_variables)
+    with pytest.raises(ValueError, match="inner_optimizer is this THOR"):
+        mso.thor(model, 0.05, 0.05, 0.9).link_loss_scale_optimizer(optimizer)
 
 
 def test_statistics_only_on_thor_steps():
@@ -169,8 +196,9 @@ def test_statistics_only_on_thor_steps():
 
 
 def test_singular_statistics_keep_weights_finite(inverse_path):
-    """An all-zero input feature and unused tokens with damping 0: retried, never NaN."""
-    model = mixed_model()
+    """An all-zero input feature and unused tokens with damping 0: retried, never NaN.
+    (Without attention: undamped attention steps diverge, which is not what this checks.)"""
+    model = mixed_model(attention=False)
     optimizer = mso.thor(model, 0.05, 0.0, 0.9, frequency=2, block_size=4)
     model.compile(optimizer=optimizer, loss="mse")
     (image, ids), y = mixed_data()

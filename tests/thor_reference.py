@@ -103,6 +103,67 @@ class Conv2D:
         return None
 
 
+class EinsumDense:
+    """An EinsumDense layer written as the equivalent Dense computation: the last
+    ``contracted`` input axes flattened against the kernel viewed as
+    ``(contracted axes, output axes)``."""
+
+    kind = "dense"
+
+    def __init__(self, name, kernel, bias, contracted, activation="linear"):
+        self.name, self.contracted, self.activation = name, contracted, activation
+        self.params = {"kernel": np.array(kernel, np.float64), "bias": np.array(bias, np.float64)}
+
+    def _matrix(self):
+        kernel = self.params["kernel"]
+        return kernel.reshape(int(np.prod(kernel.shape[:self.contracted])), -1)
+
+    def forward(self, x):
+        self.input_shape = x.shape
+        self.x = x.reshape(x.shape[:x.ndim - self.contracted] + (-1,))
+        self.z = self.x @ self._matrix() + self.params["bias"].reshape(-1)
+        out_shape = self.params["kernel"].shape[self.contracted:]
+        return _ACTIVATIONS[self.activation][0](self.z).reshape(self.z.shape[:-1] + out_shape)
+
+    def backward(self, dy):
+        dz = dy.reshape(self.z.shape) * _ACTIVATIONS[self.activation][1](self.z)
+        rows, x_rows = dz.reshape(-1, dz.shape[-1]), self.x.reshape(-1, self.x.shape[-1])
+        self.grads = {"kernel": (x_rows.T @ rows).reshape(self.params["kernel"].shape),
+                      "bias": rows.sum(0).reshape(self.params["bias"].shape)}
+        self.observed = (self.x, dz)
+        return (dz @ self._matrix().T).reshape(self.input_shape)
+
+
+class DepthwiseConv2D:
+    """A first layer, NHWC, 'valid' padding: channel c's ``multiplier`` outputs are its
+    patches times ``kernel[:, :, c, :]``."""
+
+    kind = "depthwise"
+
+    def __init__(self, name, kernel, bias, strides, activation="linear"):
+        self.name, self.strides, self.activation = name, strides, activation
+        self.params = {"kernel": np.array(kernel, np.float64), "bias": np.array(bias, np.float64)}
+
+    def forward(self, x):
+        kh, kw, channels, multiplier = self.params["kernel"].shape
+        patches, (n, ho, wo) = im2col(x, (kh, kw), self.strides, "valid")
+        self.patches = patches.reshape(-1, kh * kw, channels)           # rows, kh*kw, C
+        kernel = self.params["kernel"].reshape(kh * kw, channels, multiplier)
+        z = np.einsum("rkc,kcm->rcm", self.patches, kernel).reshape(n * ho * wo, -1)
+        self.z = (z + self.params["bias"]).reshape(n, ho, wo, -1)
+        return _ACTIVATIONS[self.activation][0](self.z)
+
+    def backward(self, dy):
+        kh, kw, channels, multiplier = self.params["kernel"].shape
+        dz = dy * _ACTIVATIONS[self.activation][1](self.z)
+        rows = dz.reshape(-1, channels, multiplier)
+        kernel_grad = np.einsum("rkc,rcm->kcm", self.patches, rows)
+        self.grads = {"kernel": kernel_grad.reshape(self.params["kernel"].shape),
+                      "bias": dz.reshape(-1, channels * multiplier).sum(0)}
+        self.observed = (self.patches, rows)
+        return None
+
+
 class Embedding:
     """A first layer: integer ids ``[N, T]`` -> ``[N, T, dim]``."""
 
@@ -219,7 +280,9 @@ class ThorReference:
         root = math.sqrt(self.damping(step))
         if step % self.frequency == 0:
             for layer in self.network.layers:
-                if layer.kind in ("dense", "conv", "embedding"):
+                if layer.kind == "depthwise":
+                    self.inverses[layer.name] = self.depthwise_inverses(layer, batch, root)
+                elif layer.kind in ("dense", "conv", "embedding"):
                     a, g = self.factors(layer, batch)
                     a_inverse = (1.0 / (a + root) if layer.kind == "embedding"
                                  else block_inverse(a, root, self.block_size))
@@ -229,9 +292,11 @@ class ThorReference:
             for key, weight in layer.params.items():
                 name = f"{layer.name}/{key}"
                 grad = layer.grads[key]
-                if key in ("kernel", "embeddings"):
+                if key == "kernel" and layer.kind == "depthwise":
+                    grad = self.depthwise_precondition(grad, *self.inverses[layer.name])
+                elif key in ("kernel", "embeddings"):
                     a_inverse, g_inverse = self.inverses[layer.name]
-                    matrix = grad.reshape(-1, grad.shape[-1])
+                    matrix = grad.reshape(len(a_inverse), -1)
                     matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
                               else a_inverse @ matrix)
                     grad = (matrix @ g_inverse).reshape(grad.shape)
@@ -247,3 +312,24 @@ class ThorReference:
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
                 layer.params[key] = weight - lr * update
         self.iterations += 1
+
+    @staticmethod
+    def depthwise_inverses(layer, batch, root):
+        """Per channel c: ``inv(A_c + root I)``, ``inv(G_c + root I)`` (whole, no blocks)."""
+        patches, rows = layer.observed
+        inverses = []
+        for c in range(patches.shape[2]):
+            x, delta = patches[:, :, c], rows[:, c, :] * batch
+            a, g = x.T @ x / x.shape[0], delta.T @ delta / delta.shape[0]
+            inverses.append((np.linalg.inv(a + root * np.eye(len(a))),
+                             np.linalg.inv(g + root * np.eye(len(g)))))
+        return inverses
+
+    @staticmethod
+    def depthwise_precondition(grad, *inverses):
+        kh, kw, channels, multiplier = grad.shape
+        out = np.empty_like(grad)
+        for c, (a_inverse, g_inverse) in enumerate(inverses):
+            matrix = grad[:, :, c, :].reshape(kh * kw, multiplier)
+            out[:, :, c, :] = (a_inverse @ matrix @ g_inverse).reshape(kh, kw, multiplier)
+        return out

@@ -491,4 +491,6 @@ class LayerNorm(CurvatureBlock):
         return observe(call(inputs, *args, **kwargs))
 
     def precondition(self, gradient, state, block_size):
-        return gradient / (tf.square(gradient) / state.batch + tf.sqrt(state.damping))
+        # divide_no_nan: a zero gradient with damping 0 stays 0 instead of 0/0.
+        return tf.math.divide_no_nan(gradient,
+                                     tf.square(gradient) / state.batch + tf.sqrt(state.damping))

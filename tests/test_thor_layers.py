@@ -1,0 +1,96 @@
+"""Which layers of real architectures THOR covers: attention, wrappers, nested models,
+keras.applications.ResNet50; nothing is skipped silently."""
+import keras
+import numpy as np
+import pytest
+
+import tf_msopt as mso
+
+
+def assert_every_variable_reported(model, report):
+    assert {row.variable for row in report.rows} == {v.path for v in model.trainable_variables}
+
+
+def kernels(model, kinds):
+    return sorted(v.path for layer in model._flatten_layers() if isinstance(layer, kinds)
+                  for v in [getattr(layer, "kernel", None)] if v is not None)
+
+
+def train_briefly(model, optimizer, x, y, steps=3):
+    model.compile(optimizer=optimizer, loss="sparse_categorical_crossentropy")
+    history = model.fit(x, y, batch_size=len(x) // steps, epochs=1, verbose=0, shuffle=False)
+    assert np.isfinite(history.history["loss"]).all()
+    return history.history["loss"][-1]
+
+
+def transformer_block(width=16, heads=2):
+    tokens = keras.Input((6,), dtype="int32")
+    h = keras.layers.Embedding(11, width)(tokens)
+    attended = keras.layers.MultiHeadAttention(heads, width // heads)(h, h)
+    h = keras.layers.LayerNormalization()(h + attended)
+    h = keras.layers.LayerNormalization()(h + keras.layers.Dense(width)(
+        keras.layers.Dense(2 * width, activation="relu")(h)))
+    return keras.Model(tokens, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+def test_multi_head_attention_kernels_are_kronecker_factored():
+    model = transformer_block()
+    optimizer = mso.thor(model, 0.05, 0.1, 0.9, frequency=2)
+    report = optimizer.report()
+    assert_every_variable_reported(model, report)
+    attention = model.layers[2]
+    projections = [attention._query_dense, attention._key_dense, attention._value_dense,
+                   attention._output_dense]
+    for projection in projections:
+        rule = next(row.rule for row in report.rows if row.variable == projection.kernel.path)
+        assert rule.startswith("Kronecker factors"), rule
+    assert (sorted(kernels(model, (keras.layers.EinsumDense, keras.layers.Dense)))
+            == sorted(p for p in report.preconditioned if p.endswith("kernel")))
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 11, size=(24, 6)), rng.integers(0, 3, size=24)
+    train_briefly(model, optimizer, x, y)
+    assert int(optimizer.failed_inverses.numpy()) == 0
+    for inverse in optimizer.g_inverses:                                  # all refreshed
+        assert not np.allclose(inverse.numpy(), np.eye(inverse.shape[-1]))
+
+
+def test_wrappers_and_nested_models_are_walked_into():
+    inner = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, name="nested_dense")],
+                             name="nested")
+    sequence = keras.Input((3, 5))
+    h = keras.layers.TimeDistributed(keras.layers.Dense(5, name="per_step"))(sequence)
+    h = keras.layers.TimeDistributed(inner)(h)
+    h = keras.layers.Bidirectional(keras.layers.LSTM(3, name="lstm"))(h)
+    model = keras.Model(sequence, keras.layers.Dense(2, name="head")(h))
+    optimizer = mso.thor(model, 0.05, 0.1, 0.9, frequency=2)
+    report = optimizer.report()
+    assert_every_variable_reported(model, report)
+    preconditioned = set(report.preconditioned)
+    for name in ("per_step", "nested_dense", "head"):
+        layer = next(l for l in model._flatten_layers() if l.name == name)
+        assert layer.kernel.path in preconditioned
+    lstm_reasons = {path: why for path, why in report.first_order.items() if "lstm" in path}
+    assert lstm_reasons and all("no THOR rule for LSTMCell" in why
+                                for why in lstm_reasons.values())
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(24, 3, 5)).astype("float32"), rng.integers(0, 2, size=24)
+    before = [b.a.numpy().copy() for b in optimizer._connection.statistics]
+    train_briefly(model, optimizer, x, y)
+    # every treated layer's capture ran (TimeDistributed calls the inner layer's call)
+    for old, buffer in zip(before, optimizer._connection.statistics):
+        assert not np.array_equal(old, buffer.a.numpy())
+
+
+@pytest.mark.slow
+def test_resnet50_every_conv_and_dense_kernel_preconditioned():
+    model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=4)
+    optimizer = mso.thor(model, 0.01, 0.3, 0.9, frequency=2)
+    report = optimizer.report()
+    assert_every_variable_reported(model, report)
+    expected = kernels(model, (keras.layers.Conv2D, keras.layers.Dense))
+    assert len(expected) == 54
+    assert expected == sorted(p for p in report.preconditioned if p.endswith("kernel"))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(6, 32, 32, 3)).astype("float32"), rng.integers(0, 4, size=6)
+    train_briefly(model, optimizer, x, y)
+    assert int(optimizer.failed_inverses.numpy()) == 0

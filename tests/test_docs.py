@@ -56,3 +56,37 @@ def test_runnable_code_blocks_run(page, tmp_path):
     result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
                             capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, f"{page}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+
+
+IMPORT = re.compile(r"^\s*(from [\w.]+ import [\w, ]+|import [\w.]+(?: as \w+)?)\s*$", re.MULTILINE)
+DOTTED = re.compile(r"\b(?:tf_msopt|mso)(?:\.[A-Za-z_]\w*)+")
+
+
+def doc_texts():
+    for page in PAGES:
+        with open(os.path.join(REPO_ROOT, page)) as f:
+            yield page, f.read()
+
+
+def test_every_import_and_name_the_docs_show_exists():
+    """Each import statement in any code block, and each dotted ``tf_msopt.``/``mso.`` name
+    in the text (``mso.thor.connect``, ``tf_msopt.thor.ThorReport``, ...), resolves."""
+    import importlib
+
+    import tf_msopt
+
+    statements, names = set(), set()
+    for page, text in doc_texts():
+        statements.update((page, s) for s in IMPORT.findall(text) if "tf_msopt" in s)
+        names.update((page, n) for n in DOTTED.findall(text))
+    assert any("from tf_msopt.thor import ThorReport" in s for _, s in statements) or any(
+        n.endswith("thor.ThorReport") for _, n in names)
+    for page, statement in sorted(statements):
+        exec(statement, {})                                    # noqa: S102
+    for page, name in sorted(names):
+        target, path = tf_msopt, "tf_msopt"
+        for part in name.split(".")[1:]:
+            path += "." + part
+            if not hasattr(target, part):
+                importlib.import_module(path)        # a submodule not imported by its parent
+            target = getattr(target, part)

@@ -62,7 +62,7 @@ def mixed_model(attention=True):
     ids = keras.Input((3,), dtype="int32")
     a = keras.layers.Conv2D(3, 3, strides=2, padding="same", activation="tanh",
                             name="conv")(image)
-    tokens = keras.layers.Embedding(7, 4, name="emb")(ids)
+    tokens = keras.layers.Embedding(7, 4 if attention else 2, name="emb")(ids)
     if attention:
         tokens = keras.layers.MultiHeadAttention(2, 2, use_bias=False,
                                                  name="attention")(tokens, tokens)

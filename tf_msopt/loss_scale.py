@@ -482,6 +482,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             return
         super().load_own_variables(store)
 
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay (it has the decay)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:   # Keras' version fails to unpack an empty list

@@ -255,6 +255,12 @@ class MindSporeOptimizer(keras.optimizers.Optimizer):
             id(x) for v in var_list or () for x in (v, getattr(v, "value", v)))
         self._decay_exclusion_patterns = tuple(var_names or ())
 
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:   # Keras' version fails to unpack an empty list
+            return self.iterations
+        return super().apply_gradients(grads_and_vars)
+
     def excluded_from_weight_decay(self, variable):
         """True when :meth:`exclude_from_weight_decay` excluded ``variable``."""
         if id(variable) in self._decay_exclusion_ids or id(

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2
+PYTEST_ARGS ?= -n 2 --dist loadgroup
 # Extra options for `tf-msopt compare` (the tests pass a shorter run).
 DEMO_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -28,12 +28,16 @@ demo: $(STAMP)
 	$(BIN)/python -m tf_msopt compare $(DEMO_ARGS)
 
 # The suite runs twice: with the compiled ops, then with the kill switch, which
-# proves every feature works on the pure-TensorFlow path; tests marked `once` (the
-# install and the docs build, the same whichever path runs) are left out of the second
-# pass. pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
+# proves every feature works on the pure-TensorFlow path. The second pass runs only the
+# tests marked `ops_path` (code whose path differs without the custom ops and that does
+# not switch the path itself: the contract cases of the sign optimizers, AdamOffload and
+# THOR, the sign and THOR modules; see tests/conftest.py); tests marked `once` (the
+# install, the docs build) never run there. `--dist loadgroup` keeps the contract suite's
+# shared fresh process on one worker. pytest exits 5 when it collected no test; any
+# non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "not once"
+	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not once"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/update_step.py

@@ -16,6 +16,21 @@ _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
 
+#: Modules whose tests run code that differs without the compiled custom ops and do not
+#: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*
+#: and test_ops_loader run both paths in one pass). ``make test``'s kill-switch pass runs
+#: only tests marked ``ops_path``: these modules, and the contract cases marked in
+#: ``tests/contract``.
+_OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign", "test_thor_training",
+                               "test_thor_distributed", "test_thor_saving"})
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.module.__name__ in _OPS_PATH_MODULES:
+            item.add_marker(pytest.mark.ops_path)
+
+
 @pytest.fixture
 def two_cpu_strategy():
     """MirroredStrategy over two logical CPUs (2 replicas), with collective keys of its own.
@@ -34,4 +49,6 @@ def two_cpu_strategy():
 def _seeded():
     keras.utils.set_random_seed(1234)
     yield
-    keras.backend.clear_session()
+    # Without Python's full garbage collection (0.2-0.8 s per test, most of a small test's
+    # time); the automatic collector still runs.
+    keras.backend.clear_session(free_memory=False)

@@ -281,22 +281,6 @@ def test_group_schedule_and_keras_clipping(backend):
     np.testing.assert_allclose(w.numpy(), want, rtol=1e-6)
 
 
-def test_embedding_gradient_is_applied_densely(backend):
-    """IndexedSlices gradients get MindSpore's dense semantics (all rows' moments decay)."""
-    def train(sparse):
-        table = variable(np.ones((5, 2)), "emb/embeddings")
-        opt = mso.AdamOffload(0.1)
-        for rows in ([0, 2], [2, 4]):
-            values = tf.ones((2, 2))
-            grad = tf.IndexedSlices(values, tf.constant(rows), tf.constant([5, 2]))
-            opt.apply([grad if sparse else tf.convert_to_tensor(grad)], [table])
-        return table.numpy()
-
-    dense = train(False)
-    np.testing.assert_array_equal(train(True), dense)
-    assert dense[0, 0] < 1.0 and dense[1, 0] == 1.0  # row 0 keeps moving after its step
-
-
 def test_lars_and_loss_scale_wrappers(backend):
     """Inside mso.LossScaleOptimizer (which calls apply) and LARS (which calls update_step
     per variable, taking over the weight decay), AdamOffload acts as Keras' Adam would."""

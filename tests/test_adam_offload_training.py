@@ -75,50 +75,6 @@ def test_xla_compiled_train_step_fails_clearly():
         model.fit(x, y, batch_size=16, epochs=1, verbose=0)
 
 
-def test_mirrored_equals_single_device(backend, two_cpu_strategy):
-    """The summed gradient, one host update, the same delta on both replicas."""
-    x, y = regression_data(n=64)
-
-    def train(strategy):
-        with strategy.scope():
-            model = compiled_mlp(make_optimizer())
-        model.fit(x, y, batch_size=32, epochs=2, shuffle=False, verbose=0)  # 4 steps
-        return model
-
-    single = train(tf.distribute.get_strategy())
-    mirrored = train(two_cpu_strategy)
-    assert int(mirrored.optimizer.iterations.numpy()) == 4
-    # One copy of the state, on the host, not a mirror per replica.
-    assert all(type(v.value) is type(single.optimizer.moments[0][0].value)
-               for v in host_state(mirrored.optimizer))
-    initial = small_mlp().get_weights()
-    for m, s, w0 in zip(mirrored.get_weights(), single.get_weights(), initial):
-        assert np.abs(s - w0).max() > 1e-3
-        np.testing.assert_allclose(m - w0, s - w0, rtol=1e-5, atol=1e-7)
-    for m, s in zip(host_state(mirrored.optimizer), host_state(single.optimizer)):
-        np.testing.assert_allclose(m.numpy(), s.numpy(), rtol=1e-5, atol=1e-9)
-
-
-def test_checkpoint_resume_is_exact(backend, tmp_path):
-    x, y = regression_data()
-    uninterrupted = compiled_mlp(make_optimizer())
-    uninterrupted.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-
-    model = compiled_mlp(make_optimizer())
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    path = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        os.path.join(tmp_path, "ckpt"))
-    resumed = compiled_mlp(make_optimizer())
-    resumed.optimizer.build(resumed.trainable_variables)
-    tf.train.Checkpoint(model=resumed, optimizer=resumed.optimizer).restore(path) \
-        .assert_consumed()
-    resumed.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for got, want in zip(resumed.get_weights() + [v.numpy() for v in resumed.optimizer.variables],
-                         uninterrupted.get_weights()
-                         + [v.numpy() for v in uninterrupted.optimizer.variables]):
-        np.testing.assert_array_equal(got, want)
-
-
 class _Interrupt(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         if epoch == 1:
@@ -157,25 +113,6 @@ print(json.dumps({{"weights": [w.tolist() for w in model.get_weights()],
                    "iterations": int(opt.iterations.numpy()),
                    "status": tf_msopt.ops.custom_ops_status()}}))
 """
-
-
-@pytest.mark.slow
-def test_keras_file_resumes_exactly_in_a_fresh_process(tmp_path):
-    x, y = regression_data()
-    uninterrupted = compiled_mlp(make_optimizer())
-    uninterrupted.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
-    model = compiled_mlp(make_optimizer())
-    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    path = os.path.join(tmp_path, "model.keras")
-    model.save(path)
-    result = run_fresh_python(RESUME_SCRIPT.format(path=path))
-    assert result["type"] == "AdamOffload" and result["iterations"] == 8
-    assert result["group_index"] == [None, None, 0, 0]
-    assert result["groups"] == [{"params": ["head/"], "learning_rate": 0.01,
-                                 "weight_decay": 0.0}]
-    assert all(device.endswith("CPU:0") for device in result["host"])
-    for got, want in zip(result["weights"], uninterrupted.get_weights()):
-        np.testing.assert_array_equal(np.asarray(got, np.float32), want)
 
 
 @pytest.mark.slow

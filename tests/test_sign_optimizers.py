@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tf_msopt as mso
-from helpers import regression_data, run_fresh_python, small_mlp
+from helpers import regression_data, small_mlp
 from test_ops_sign import S2, S2_M, S2_VAR, S3_VAR, numpy_sign_step
 
 OPTIMIZERS = {"add_sign": (mso.AddSign, "alpha"), "power_sign": (mso.PowerSign, "logbase")}
@@ -74,19 +74,6 @@ def test_optimizer_reproduces_s2_s3(rule, expected):
     np.testing.assert_allclose(opt._momentums[0].numpy(), S2_M, atol=1e-6)
 
 
-def test_sparse_gradients_follow_dense_semantics():
-    table = keras.Variable(np.ones((4, 3), np.float32))
-    opt = mso.AddSign(learning_rate=0.1, sign_decay=0.5)
-    opt.build([table])
-    sparse = tf.IndexedSlices(tf.constant([[1.0, -2.0, 0.5]]), tf.constant([2]), tf.constant([4, 3]))
-    opt.apply([sparse], [table])
-    dense = np.zeros((4, 3), np.float32)
-    dense[2] = [1.0, -2.0, 0.5]
-    expected, _ = numpy_sign_step("add_sign", np.ones((4, 3)), np.zeros((4, 3)), 0.1, 1.0, 0.5, 0.9,
-                                  dense)
-    np.testing.assert_allclose(table.numpy(), expected, atol=1e-6)
-
-
 @pytest.mark.parametrize("rule", ["add_sign", "power_sign"])
 def test_fit_lowers_the_loss(rule):
     x, y = regression_data()
@@ -114,58 +101,6 @@ def test_config_round_trip_and_keras_get():
     assert keras.optimizers.get(opt) is opt
 
 
-SAVE_SCRIPT = """
-import json, sys, numpy as np, keras, tensorflow as tf
-sys.path.insert(0, "tests")
-import tf_msopt
-from helpers import regression_data, small_mlp
-x, y = regression_data()
-model = keras.models.load_model({path!r}, safe_mode=True)
-model.fit(x[32:], y[32:], batch_size=8, epochs=1, shuffle=False, verbose=0)
-restored = small_mlp()
-restored.compile(optimizer=keras.optimizers.deserialize(json.loads({opt_config!r})), loss="mse")
-restored.optimizer.build(restored.trainable_variables)
-tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).restore({ckpt!r}).assert_consumed()
-restored.fit(x[32:], y[32:], batch_size=8, epochs=1, shuffle=False, verbose=0)
-print(json.dumps({{"keras": [w.tolist() for w in model.get_weights()],
-                   "ckpt": [w.tolist() for w in restored.get_weights()],
-                   "type": type(model.optimizer).__name__,
-                   "iterations": int(model.optimizer.iterations.numpy())}}))
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("rule", ["add_sign", "power_sign"])
-def test_save_load_in_fresh_process_resumes_exactly(rule, tmp_path):
-    import json
-
-    x, y = regression_data()
-
-    def new_model():
-        model = small_mlp()
-        opt = make_optimizer(rule, learning_rate=0.02, sign_decay=mso.schedules.CosineSignDecay(6))
-        model.compile(optimizer=opt, loss="mse")
-        return model
-
-    uninterrupted = new_model()
-    uninterrupted.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-
-    model = new_model()
-    model.fit(x[:32], y[:32], batch_size=8, epochs=1, shuffle=False, verbose=0)  # 4 steps
-    path = os.path.join(tmp_path, "model.keras")
-    model.save(path)
-    ckpt = tf.train.Checkpoint(model=model, optimizer=model.optimizer).save(
-        os.path.join(tmp_path, "ckpt"))
-    opt_config = json.dumps(keras.optimizers.serialize(model.optimizer))
-    result = run_fresh_python(SAVE_SCRIPT.format(path=path, ckpt=ckpt, opt_config=opt_config))
-
-    assert result["type"] == OPTIMIZERS[rule][0].__name__
-    assert result["iterations"] == 8
-    for key in ("keras", "ckpt"):
-        for got, want in zip(result[key], uninterrupted.get_weights()):
-            np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=1e-7)
-
-
 def test_export_serves_predictions(tmp_path):
     x, y = regression_data()
     model = small_mlp()
@@ -175,29 +110,6 @@ def test_export_serves_predictions(tmp_path):
     model.export(path, verbose=False)
     served = tf.saved_model.load(path)
     np.testing.assert_allclose(served.serve(x).numpy(), model.predict(x, verbose=0), atol=1e-6)
-
-
-@pytest.mark.parametrize("rule", ["add_sign", "power_sign"])
-@pytest.mark.parametrize("jit_compile", [False, True])
-def test_mirrored_equals_single_device(rule, jit_compile, two_cpu_strategy):
-    x, y = regression_data(n=64)
-
-    def train(strategy):
-        with strategy.scope():
-            model = small_mlp()
-            opt = make_optimizer(rule, learning_rate=0.02, jit_compile=jit_compile,
-                                 sign_decay=mso.schedules.LinearSignDecay(10))
-            model.compile(optimizer=opt, loss="mse")
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)  # 8 steps
-        return model.get_weights(), int(model.optimizer.iterations.numpy())
-
-    single, single_steps = train(tf.distribute.get_strategy())
-    mirrored, mirrored_steps = train(two_cpu_strategy)
-    assert single_steps == mirrored_steps == 8
-    initial = small_mlp().get_weights()
-    for s, m, w0 in zip(single, mirrored, initial):
-        assert np.abs(s - w0).max() > 1e-3  # training moved the weights
-        np.testing.assert_allclose(m, s, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("kwargs, error, text", [

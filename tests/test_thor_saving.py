@@ -4,7 +4,6 @@ import json
 import keras
 import numpy as np
 import pytest
-from helpers import run_fresh_python
 from test_thor_training import mixed_data, mixed_model
 
 import tf_msopt as mso
@@ -24,51 +23,6 @@ def steps(model, first, count):
     x, y = mixed_data(8 * (BEFORE + AFTER))
     for i in range(first, first + count):
         model.train_on_batch([x[0][8 * i:8 * i + 8], x[1][8 * i:8 * i + 8]], y[8 * i:8 * i + 8])
-
-
-RESUME = """
-import sys, json
-sys.path.insert(0, "tests")
-import keras, numpy as np, tensorflow as tf
-import tf_msopt as mso
-from test_thor_saving import make, steps, BEFORE, AFTER
-{load}
-steps(model, BEFORE, AFTER)
-print(json.dumps({{"weights": [w.tolist() for w in model.get_weights()],
-                  "iterations": int(model.optimizer.iterations.numpy())}}))
-"""
-
-LOAD_KERAS = """
-model = keras.models.load_model({path!r}, safe_mode=True)
-mso.thor.connect(model)
-"""
-
-LOAD_CHECKPOINT = """
-model, optimizer = make()
-checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
-checkpoint.restore({path!r}).assert_existing_objects_matched()
-"""
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("form", ["keras", "checkpoint"])
-def test_resume_in_fresh_process_equals_uninterrupted(form, tmp_path):
-    import tensorflow as tf
-
-    model, optimizer = make()
-    steps(model, 0, BEFORE)
-    if form == "keras":
-        path = str(tmp_path / "thor.keras")
-        model.save(path)
-        load = LOAD_KERAS.format(path=path)
-    else:
-        path = tf.train.Checkpoint(model=model, optimizer=optimizer).save(str(tmp_path / "ckpt"))
-        load = LOAD_CHECKPOINT.format(path=path)
-    steps(model, BEFORE, AFTER)
-    resumed = run_fresh_python(RESUME.format(load=load))
-    assert resumed["iterations"] == BEFORE + AFTER
-    for got, want in zip(resumed["weights"], model.get_weights()):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
 
 
 def test_loaded_model_resumes_second_order_after_connect(tmp_path):

@@ -21,6 +21,7 @@ import tensorflow as tf
 from tf_msopt._common import register
 from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
                                   type_name)
+from tf_msopt.optimizers.base import set_all_weights
 
 __all__ = [
     "DynamicLossScaleManager",
@@ -392,6 +393,24 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     and then ``apply_gradients`` (the next ``apply`` after
     ``get_unscaled_gradients`` takes its gradients as already unscaled).
 
+    Two ways to create it, MindSpore's and Keras'::
+
+        LossScaleOptimizer(inner, scale_sense)          # MindSpore's form
+        LossScaleOptimizer(inner)                       # Keras' form and defaults:
+        LossScaleOptimizer(inner, initial_scale=2**15, dynamic_growth_steps=2000)
+
+    Keras' form means ``DynamicLossScaleUpdateCell(initial_scale, 2,
+    dynamic_growth_steps)``: Keras' rule, with the bounds above. Giving
+    ``scale_sense`` together with ``initial_scale`` or ``dynamic_growth_steps``
+    is a ``ValueError``. A number as the second positional argument is
+    MindSpore's ``scale_sense`` (a fixed scale), not Keras' ``initial_scale``.
+
+    The config has Keras' keys (``initial_scale``, ``dynamic_growth_steps``),
+    and ``scale_sense`` where Keras' class has no equivalent (a fixed scale, a
+    manager, a factor other than 2): such a config loads into this class only,
+    and Keras' class refuses it naming ``scale_sense``. A config, or a
+    ``.keras`` file, written with Keras' class loads into this one.
+
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the
             unscaled gradients.
@@ -400,6 +419,10 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             :class:`FixedLossScaleManager`, or a number / scalar tensor >= 1 (a
             fixed scale whose overflowing steps are skipped).
         name: the optimizer's name.
+        initial_scale: Keras' form: the initial dynamic scale, a number >= 1
+            (default ``2**15`` when ``scale_sense`` is not given).
+        dynamic_growth_steps: Keras' form: clean steps before the scale
+            doubles, an int >= 1 (default 2000).
 
     Reference:
         MindSpore ``mindspore.nn.TrainOneStepWithLossScaleCell``;
@@ -407,8 +430,26 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         (arXiv:1710.03740).
     """
 
-    def __init__(self, inner_optimizer, scale_sense, name=None, **kwargs):
+    def __init__(self, inner_optimizer, scale_sense=None, name=None, initial_scale=None,
+                 dynamic_growth_steps=None, **kwargs):
         owner = type(self).__name__
+        keras_form = {key: value for key, value in (("initial_scale", initial_scale),
+                                                    ("dynamic_growth_steps",
+                                                     dynamic_growth_steps))
+                      if value is not None}
+        if scale_sense is not None and keras_form:
+            raise ValueError(
+                f"For '{owner}', give either MindSpore's 'scale_sense' or Keras' "
+                f"'initial_scale' / 'dynamic_growth_steps', not both, but got "
+                f"scale_sense={scale_sense!r} and {keras_form}."
+            )
+        if scale_sense is None:   # Keras' form: its dynamic rule (factor 2) and defaults
+            scale_sense = DynamicLossScaleUpdateCell(
+                _check_loss_scale(2.0**15 if initial_scale is None else initial_scale,
+                                  "initial_scale", owner),
+                2,
+                check_int(2000 if dynamic_growth_steps is None else dynamic_growth_steps,
+                          "dynamic_growth_steps", owner, min_value=1))
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"For '{owner}', the 'inner_optimizer' must be a "
                             f"keras.optimizers.Optimizer, but got type "
@@ -430,6 +471,31 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if link is not None:
             link(self)
 
+    def set_weights(self, weights):
+        """Sets every value of :attr:`variables`: its own and the inner optimizer's."""
+        set_all_weights(self, weights)
+
+    def load_own_variables(self, store):
+        # A file written by Keras' class lacks last_step_skipped and skipped_steps.
+        ours = (self.last_step_skipped, self.skipped_steps) if self.built else ()
+        keras_layout = [v for v in self._variables if not any(v is x for x in ours)]
+        keras_layout += self.inner_optimizer.variables
+        if ours and len(store.keys()) == len(keras_layout) != len(self.variables):
+            for index, variable in enumerate(keras_layout):
+                variable.assign(store[str(index)])
+            return
+        super().load_own_variables(store)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from the inner optimizer's weight decay (it has the decay)."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:   # Keras' version fails to unpack an empty list
+            return self.iterations
+        return super().apply_gradients(grads_and_vars)
+
     def build(self, var_list):
         if self.built:
             return
@@ -448,6 +514,8 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     # --- the step
 
     def apply(self, grads, trainable_variables=None):
+        if not len(grads):   # nothing to check or apply: no step, as in Keras' optimizers
+            return
         # tf-keras' contract: gradients from get_unscaled_gradients are not unscaled again.
         self._unscale_in_apply = not self._user_unscaled_gradients
         self._user_unscaled_gradients = False
@@ -541,22 +609,34 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     # --- serialization
 
+    def _keras_equivalent(self):
+        """True when Keras' class has the same rule: a dynamic cell with factor 2."""
+        sense = self.scale_sense
+        return type(sense) is DynamicLossScaleUpdateCell and sense.scale_factor == 2
+
     def get_config(self):
-        scale_sense = self.scale_sense
-        if not isinstance(scale_sense, float):
-            scale_sense = keras.saving.serialize_keras_object(scale_sense)
-        return {
-            "name": self.name,
-            "inner_optimizer": keras.saving.serialize_keras_object(self.inner_optimizer),
-            "scale_sense": scale_sense,
-        }
+        # Keras' keys, so that Keras' class loads the config where it means the same;
+        # scale_sense where it does not (Keras' class then refuses it, naming it).
+        config = super().get_config()
+        if not self._keras_equivalent():
+            scale_sense = self.scale_sense
+            if not isinstance(scale_sense, float):
+                scale_sense = keras.saving.serialize_keras_object(scale_sense)
+            config["scale_sense"] = scale_sense
+        return config
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
+        """Loads this class's config (either form) or one written by Keras' class."""
         config = dict(config)
         inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
                                                       custom_objects=custom_objects)
-        scale_sense = config.pop("scale_sense")
+        scale_sense = config.pop("scale_sense", None)
+        if scale_sense is None:
+            return cls(inner, **config)           # Keras' form (also Keras' own configs)
+        # initial_scale / dynamic_growth_steps were written beside it for Keras' class.
+        config.pop("initial_scale", None)
+        config.pop("dynamic_growth_steps", None)
         if isinstance(scale_sense, dict):
             scale_sense = keras.saving.deserialize_keras_object(scale_sense,
                                                                 custom_objects=custom_objects)

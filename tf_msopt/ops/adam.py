@@ -33,7 +33,8 @@ def _on_cpu(variable):
 
 
 def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
-                      grad_scale=1.0, use_nesterov=False, use_locking=False, var=None):
+                      grad_scale=1.0, use_nesterov=False, use_locking=False, var=None,
+                      assign=None, assign_add=None):
     """Runs one AdamOffload step on the device of ``m`` and ``v``.
 
     Args:
@@ -46,6 +47,10 @@ def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, ep
             does, as TensorFlow's dense training ops do; kept for MindSpore).
         var: optional ``tf.Variable`` on the same device as ``m`` and ``v``:
             ``delta`` is then added to it in the same pass.
+        assign, assign_add: ``f(variable, value)`` that write the moments and
+            ``var`` where TensorFlow ops (not the kernel) do it; an optimizer
+            passes its own ``assign`` / ``assign_add`` (Keras' rule). Default:
+            the variables' methods.
 
     Returns:
         ``delta`` (a tensor on the moments' device), or None when ``var`` is given.
@@ -80,15 +85,17 @@ def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, ep
             module.ms_opt_adam_offload_update(var.handle, m.handle, v.handle, grad, *scalars,
                                               **attrs)
             return None
-        delta = _adam_delta(m, v, grad, *scalars, use_nesterov)
+        assign = assign or (lambda variable, value: variable.assign(value))
+        assign_add = assign_add or (lambda variable, value: variable.assign_add(value))
+        delta = _adam_delta(m, v, grad, *scalars, use_nesterov, assign)
         if var is None:
             return delta
-        var.assign_add(delta)
+        assign_add(var, delta)
         return None
 
 
 def _adam_delta(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, epsilon, grad_scale,
-                use_nesterov):
+                use_nesterov, assign):
     """The kernel's arithmetic as TensorFlow ops, operation for operation."""
     one = tf.ones([], grad.dtype)
     check = tf.debugging.assert_greater_equal(
@@ -99,7 +106,7 @@ def _adam_delta(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
     g = grad * grad_scale
     m_value = m * beta1 + (one - beta1) * g
     v_value = v * beta2 + (one - beta2) * g * g
-    m.assign(m_value)
-    v.assign(v_value)
+    assign(m, m_value)
+    assign(v, v_value)
     step = m_value * beta1 + (one - beta1) * g if use_nesterov else m_value
     return neg_lr_t * step / (tf.sqrt(v_value) + epsilon)

@@ -13,6 +13,8 @@ from tf_msopt.optimizers.base import (
     make_variable_filter,
     resolve_learning_rate,
     serialize_filter,
+    slot_name,
+    variable_path,
 )
 
 __all__ = ["AdamOffload"]
@@ -147,11 +149,6 @@ def _same_device(a, b):
         (b.device_type or "CPU").upper(), b.device_index or 0)
 
 
-def _add_delta(variable, delta):
-    with tf.device(variable.device):  # the one part of the step on the variable's device
-        return variable.assign_add(delta)
-
-
 def _current_rate(rate, iterations):
     if isinstance(rate, _Schedule):
         return rate(iterations)
@@ -214,9 +211,11 @@ class AdamOffload(MindSporeOptimizer):
         USENIX ATC 2021.
     """
 
+    default_name_stem = "adam_offload"
+
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, use_locking=False,
                  use_nesterov=False, weight_decay=0.0, loss_scale=1.0, host_device="/CPU:0",
-                 groups=None, name="adam_offload", jit_compile=None, **kwargs):
+                 groups=None, name=None, jit_compile=None, **kwargs):
         if jit_compile is not None and check_bool(jit_compile, "jit_compile", _OWNER):
             raise ValueError(
                 f"For '{_OWNER}', the 'jit_compile' must be False: the update runs on the host "
@@ -249,11 +248,14 @@ class AdamOffload(MindSporeOptimizer):
             found = [i for i, member in enumerate(members) if member(variable)]
             if len(found) > 1:
                 raise RuntimeError(
-                    f"For '{_OWNER}', the variable '{variable.path}' is in groups {found}; a "
+                    f"For '{_OWNER}', the variable '{variable_path(variable)}' is in groups "
+                    f"{found}; a "
                     f"variable may be in one group only."
                 )
             group = found[0] if found else None
-            if group is None:
+            if self.excluded_from_weight_decay(variable):
+                decay = 0.0
+            elif group is None:
                 decay = weight_decay if default_decay(variable) else 0.0
             else:
                 decay = self.groups[group].get("weight_decay", weight_decay)
@@ -262,8 +264,8 @@ class AdamOffload(MindSporeOptimizer):
             self._decay_factors.append(decay * self.loss_scale)
         with tf.device(self.host_device), tf.variable_creator_scope(_single_copy_variable):
             self._moment1, self._moment2 = (
-                [self.add_variable(v.shape, dtype=v.dtype,
-                                   name=f"{v.path.replace('/', '_')}_{slot}") for v in var_list]
+                [self.add_variable(v.shape, dtype=v.dtype, name=slot_name(v, slot))
+                 for v in var_list]
                 for slot in ("moment1", "moment2"))
             # MindSpore's running products beta**t (float32), and the step they are at.
             self._beta1_power, self._beta2_power = (
@@ -279,12 +281,9 @@ class AdamOffload(MindSporeOptimizer):
     def _apply_weight_decay(self, variables):
         """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
 
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        raise ValueError(
-            f"For '{_OWNER}', weight decay skips variables whose path has 'beta' or 'gamma'. "
-            f"To choose others, use groups, e.g. groups=[{{'params': ['bias'], "
-            f"'weight_decay': 0.0}}]."
-        )
+    def _add_delta(self, variable, delta):
+        with tf.device(variable.device):  # the one part of the step on the variable's device
+            self.assign_add(variable, delta)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -298,7 +297,8 @@ class AdamOffload(MindSporeOptimizer):
             grad = distribution.experimental_local_results(grad)[0]
             delta = self._host_step(grad, copies, scalars)
             if delta is not None:
-                distribution.extended.update(variable, _add_delta, args=(delta,), group=False)
+                distribution.extended.update(variable, self._add_delta, args=(delta,),
+                                             group=False)
 
     def _update(self, gradient, variable, learning_rate):
         """One variable, for wrappers that call ``update_step`` themselves (e.g. LARS)."""
@@ -311,7 +311,7 @@ class AdamOffload(MindSporeOptimizer):
             )
         delta = self._host_step(gradient, (variable,), self._step_scalars(learning_rate))
         if delta is not None:
-            _add_delta(variable, delta)
+            self._add_delta(variable, delta)
 
     def _step_scalars(self, learning_rate):
         """``{group: (beta1**t, beta2**t, lr)}`` for this step, on the host."""
@@ -327,9 +327,9 @@ class AdamOffload(MindSporeOptimizer):
                 tf.where(advance, power * tf.constant(beta, tf.float32), power.value)
                 for power, beta in ((self._beta1_power, self.beta1),
                                     (self._beta2_power, self.beta2)))
-            self._beta1_power.assign(beta1_power)
-            self._beta2_power.assign(beta2_power)
-            self._powers_step.assign(step)
+            self.assign(self._beta1_power, beta1_power)
+            self.assign(self._beta2_power, beta2_power)
+            self.assign(self._powers_step, step)
             rates = {None: tf.cast(learning_rate, tf.float32)}
             for index, group in enumerate(self.groups):
                 rate = group.get("learning_rate")
@@ -353,7 +353,7 @@ class AdamOffload(MindSporeOptimizer):
             self._moment1[index].value, self._moment2[index].value, grad, beta1_power,
             beta2_power, lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
             use_nesterov=self.use_nesterov, use_locking=self.use_locking,
-            var=variable if in_place else None)
+            var=variable if in_place else None, assign=self.assign, assign_add=self.assign_add)
 
     # -- saving ------------------------------------------------------------------------------
 

@@ -31,10 +31,11 @@ class AddSign(SignOptimizer):
         Learning. ICML 2017. arXiv:1709.07417.
     """
 
+    default_name_stem = "addsign"
     _rule = "add_sign"
     _coefficient = "alpha"
 
-    def __init__(self, learning_rate=0.01, alpha=1.0, beta=0.9, sign_decay=1.0, name="addsign",
+    def __init__(self, learning_rate=0.01, alpha=1.0, beta=0.9, sign_decay=1.0, name=None,
                  jit_compile=None, **kwargs):
         super().__init__(learning_rate, alpha, beta, sign_decay, name=name,
                          jit_compile=jit_compile, **kwargs)

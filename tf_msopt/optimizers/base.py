@@ -26,9 +26,13 @@ from tf_msopt.schedules import PerStepSchedule
 __all__ = [
     "MindSporeOptimizer",
     "check_filter",
+    "default_name",
     "make_variable_filter",
     "resolve_learning_rate",
     "serialize_filter",
+    "set_all_weights",
+    "slot_name",
+    "variable_path",
 ]
 
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
@@ -101,6 +105,51 @@ def _learning_rate_type_error(value, arg, owner):
     )
 
 
+def variable_path(variable):
+    """The path filters match: ``keras.Variable.path``, or a plain ``tf.Variable``'s name
+    without its ``:0`` suffix (Keras' optimizers accept both kinds of variable)."""
+    path = getattr(variable, "path", None)
+    if path is not None:
+        return path
+    name = str(variable.name)
+    return name[:-2] if name.endswith(":0") else name
+
+
+def slot_name(variable, slot):
+    """Keras' name for an optimizer slot of ``variable``: ``<path with _>_<slot>``."""
+    return f"{variable_path(variable).replace('/', '_').replace(':', '_')}_{slot}"
+
+
+def default_name(stem):
+    """``stem``, ``stem_1``, ``stem_2``, ... : Keras' automatic names for default instances
+    (two ``Adam()`` are ``adam`` and ``adam_1``), from Keras' public uid counter."""
+    uid = keras.backend.get_uid(stem)
+    return stem if uid == 1 else f"{stem}_{uid - 1}"
+
+
+def set_all_weights(optimizer, weights):
+    """``set_weights`` for a wrapper: every value of ``optimizer.variables`` (its own and its
+    inner optimizer's), in that order; Keras' version sets ``_variables`` only."""
+    variables = optimizer.variables
+    weights = list(weights)
+    if not optimizer.built:
+        raise ValueError(f"For '{type(optimizer).__name__}', set_weights() needs a built "
+                         f"optimizer: call optimizer.build(trainable_variables) first.")
+    if len(weights) != len(variables):
+        raise ValueError(
+            f"For '{type(optimizer).__name__}', set_weights() got {len(weights)} values for "
+            f"{len(variables)} variables (its own and its inner optimizer's)."
+        )
+    for variable, weight in zip(variables, weights):
+        if tuple(variable.shape) != tuple(np.shape(weight)):
+            raise ValueError(
+                f"For '{type(optimizer).__name__}', the optimizer variable '{variable.path}' "
+                f"has shape {tuple(variable.shape)}, but set_weights() got shape "
+                f"{tuple(np.shape(weight))}."
+            )
+        variable.assign(weight)
+
+
 def make_variable_filter(spec, default_excludes, arg, owner):
     """Returns ``predicate(keras_variable) -> bool``: True where the rule applies.
 
@@ -114,7 +163,7 @@ def make_variable_filter(spec, default_excludes, arg, owner):
     if callable(spec):
         return lambda variable: bool(spec(variable))
     patterns = _compile_patterns(default_excludes if spec is None else spec, arg, owner)
-    return lambda variable: not any(p.search(variable.path) for p in patterns)
+    return lambda variable: not any(p.search(variable_path(variable)) for p in patterns)
 
 
 def _compile_patterns(patterns, arg, owner):
@@ -175,14 +224,51 @@ class MindSporeOptimizer(compat.Optimizer):
 
     #: Set per subclass from ``benchmarks/update_step.py``.
     default_jit_compile = False
+    #: The name of a default instance; later ones get ``_1``, ``_2``, ... as in Keras.
+    default_name_stem = None
 
     def __init__(self, learning_rate, name=None, jit_compile=None, **kwargs):
         owner = type(self).__name__
+        if name is None:
+            name = default_name(self.default_name_stem or owner.lower())
         super().__init__(learning_rate=resolve_learning_rate(learning_rate, owner), name=name,
                          **kwargs)
         self.jit_compile = (self.default_jit_compile if jit_compile is None
                             else check_bool(jit_compile, "jit_compile", owner))
         self._compiled_updates = _UntrackedDict()
+        self._decay_exclusion_ids = frozenset()
+        self._decay_exclusion_patterns = ()
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from weight decay: Keras' method, for every kind of decay.
+
+        ``var_list`` names variables by object; ``var_names`` are regular
+        expressions searched in each variable's path. Call it before the
+        optimizer is built (Keras' rule).
+        """
+        if self.built:
+            raise ValueError(
+                f"For '{type(self).__name__}', exclude_from_weight_decay() can only be called "
+                f"before the optimizer is built."
+            )
+        super().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+        self._decay_exclusion_ids = frozenset(
+            id(x) for v in var_list or () for x in (v, getattr(v, "value", v)))
+        self._decay_exclusion_patterns = tuple(var_names or ())
+
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:   # Keras' version fails to unpack an empty list
+            return self.iterations
+        return super().apply_gradients(grads_and_vars)
+
+    def excluded_from_weight_decay(self, variable):
+        """True when :meth:`exclude_from_weight_decay` excluded ``variable``."""
+        if id(variable) in self._decay_exclusion_ids or id(
+                getattr(variable, "value", variable)) in self._decay_exclusion_ids:
+            return True
+        path = variable_path(variable)
+        return any(re.search(p, path) for p in self._decay_exclusion_patterns)
 
     def update_step(self, gradient, variable, learning_rate):
         if self.jit_compile and not in_xla_context():

@@ -9,6 +9,7 @@ from tf_msopt.optimizers.base import (
     check_filter,
     make_variable_filter,
     serialize_filter,
+    set_all_weights,
 )
 
 __all__ = ["LARS"]
@@ -17,11 +18,18 @@ __all__ = ["LARS"]
 #: on Keras variable paths such as ``model/layer_normalization/gamma``.
 DEFAULT_LARS_EXCLUDES = ("(?i)bias", "(?i)layer_?norm")
 
-# Settings of the wrapped optimizer that act on the gradient before its update
-# step. LARS takes them over (it applies them ahead of the trust ratio, as
-# MindSpore's LARS takes the inner weight decay and loss scale) and turns them
-# off in the wrapped optimizer.
-_TAKEN_OVER = ("weight_decay", "loss_scale_factor", "clipnorm", "clipvalue", "global_clipnorm")
+# Settings of the wrapped optimizer that Keras applies around its update step
+# (in ``apply``, which LARS replaces: it runs the wrapped optimizer's update step
+# directly). LARS takes them over and turns them off in the wrapped optimizer:
+# the gradient settings act ahead of the trust ratio (as MindSpore's LARS takes
+# the inner weight decay and loss scale); the moving average and gradient
+# accumulation act as they would in the wrapped optimizer.
+_TAKEN_OVER = {"weight_decay": None, "loss_scale_factor": None, "clipnorm": None,
+               "clipvalue": None, "global_clipnorm": None, "use_ema": False,
+               "ema_momentum": None, "ema_overwrite_frequency": None,
+               "gradient_accumulation_steps": None}
+# Switched off in the wrapped optimizer; ema_momentum only matters with use_ema.
+_KEPT_IN_INNER = ("ema_momentum",)
 
 
 def _check_optimizer(optimizer, owner):
@@ -37,12 +45,6 @@ def _check_optimizer(optimizer, owner):
             f"(SGD, Adam, AddSign, ...), but got '{type_name(optimizer)}'. To combine LARS "
             f"with loss scaling, wrap it: LossScaleOptimizer(LARS(...))."
         )
-    for arg in ("use_ema", "gradient_accumulation_steps"):
-        if getattr(optimizer, arg):
-            raise ValueError(
-                f"For '{owner}', the wrapped optimizer must not set '{arg}' (LARS runs its "
-                f"update step directly), but got {arg}={getattr(optimizer, arg)!r}."
-            )
     return optimizer
 
 
@@ -80,7 +82,11 @@ class LARS(MindSporeOptimizer):
     it excludes with ``exclude_from_weight_decay``), ``loss_scale_factor`` and
     gradient clipping (``clipnorm``, ``clipvalue``, ``global_clipnorm``): they
     are applied by LARS, before the trust ratio, and switched off in the wrapped
-    optimizer. Its ``learning_rate`` and ``iterations`` are the wrapped
+    optimizer. Its ``use_ema`` (with ``ema_momentum``,
+    ``ema_overwrite_frequency``) and ``gradient_accumulation_steps`` are taken
+    over the same way and act as in the wrapped optimizer: the moving average
+    of the weights, and one update (of the averaged gradient) every
+    ``gradient_accumulation_steps`` calls. Its ``learning_rate`` and ``iterations`` are the wrapped
     optimizer's, so schedules and callbacks such as ``ReduceLROnPlateau`` work
     unchanged.
 
@@ -90,8 +96,7 @@ class LARS(MindSporeOptimizer):
 
     Args:
         optimizer: the ``keras.optimizers.Optimizer`` to wrap (not a
-            ``LossScaleOptimizer``: wrap LARS in it instead). It must not use
-            ``use_ema`` or ``gradient_accumulation_steps``.
+            ``LossScaleOptimizer``: wrap LARS in it instead).
         epsilon: float added to the denominator of the trust ratio.
         coefficient: float, the trust coefficient.
         use_clip: bool; clip ``trust / lr`` to [0, 1] (LARC's clip mode).
@@ -109,12 +114,13 @@ class LARS(MindSporeOptimizer):
         arXiv:1708.03888, 2017.
     """
 
+    default_name_stem = "lars"
     #: XLA's CPU reductions (the two norms) are several times slower than
     #: TensorFlow's kernels (``benchmarks/update_step.py``).
     default_jit_compile = False
 
     def __init__(self, optimizer, epsilon=1e-05, coefficient=0.001, use_clip=False,
-                 lars_filter=None, name="lars", jit_compile=None):
+                 lars_filter=None, name=None, jit_compile=None):
         owner = type(self).__name__
         _check_optimizer(optimizer, owner)
         epsilon = check_float(epsilon, "epsilon", owner, allow_int=False)
@@ -123,8 +129,9 @@ class LARS(MindSporeOptimizer):
         check_filter(lars_filter, "lars_filter", owner)
         taken_over = {key: getattr(optimizer, key) for key in _TAKEN_OVER}
         super().__init__(learning_rate=0.0, name=name, jit_compile=jit_compile, **taken_over)
-        for key in _TAKEN_OVER:
-            setattr(optimizer, key, None)
+        for key, off in _TAKEN_OVER.items():
+            if key not in _KEPT_IN_INNER:
+                setattr(optimizer, key, off)
         self.inner_optimizer = optimizer
         self.epsilon = epsilon
         self.coefficient = coefficient
@@ -151,6 +158,10 @@ class LARS(MindSporeOptimizer):
     def variables(self):
         return self._variables + self.inner_optimizer.variables
 
+    def set_weights(self, weights):
+        """Sets every value of :attr:`variables`: LARS' own and the wrapped optimizer's."""
+        set_all_weights(self, weights)
+
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes variables from the weight decay (recorded in the wrapped optimizer)."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
@@ -168,10 +179,15 @@ class LARS(MindSporeOptimizer):
                              for v in var_list]
 
     def apply(self, grads, trainable_variables=None):
+        if not len(grads):  # Keras counts no step for an empty gradient list either
+            return super().apply(grads, trainable_variables)
+        steps = self.gradient_accumulation_steps
+        if steps:  # the wrapped optimizer steps on the calls that update, as in Keras
+            applied = tf.cast(tf.equal(tf.math.floormod(
+                tf.convert_to_tensor(self._iterations) + 1, steps), 0), tf.int64)
         super().apply(grads, trainable_variables)
-        if len(grads):  # Keras counts no step for an empty gradient list either
-            # The wrapped optimizer's step count drives its schedule and bias corrections.
-            self.inner_optimizer._iterations.assign_add(1)
+        # The wrapped optimizer's step count drives its schedule and bias corrections.
+        self.inner_optimizer.iterations.assign_add(applied if steps else 1)
 
     def _apply_weight_decay(self, variables):
         """No decoupled decay: LARS adds ``weight_decay * w`` to the gradient instead."""

@@ -33,6 +33,7 @@ class PowerSign(SignOptimizer):
         Learning. ICML 2017. arXiv:1709.07417.
     """
 
+    default_name_stem = "powersign"
     _rule = "power_sign"
     _coefficient = "logbase"
     # The one-pass custom kernel beats XLA's fused update on CPU (benchmarks/update_step.py);
@@ -40,6 +41,6 @@ class PowerSign(SignOptimizer):
     default_jit_compile = False
 
     def __init__(self, learning_rate=0.01, logbase=math.e, beta=0.9, sign_decay=1.0,
-                 name="powersign", jit_compile=None, **kwargs):
+                 name=None, jit_compile=None, **kwargs):
         super().__init__(learning_rate, logbase, beta, sign_decay, name=name,
                          jit_compile=jit_compile, **kwargs)

@@ -13,12 +13,14 @@ import re
 
 import keras
 import tensorflow as tf
-from tensorflow.python.ops import control_flow_util
+from tensorflow.python.framework import kernels
+from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
 __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "check",
            "distribution_strategy", "flatten_layers", "in_xla_context", "merge_call",
-           "optimizer_own_variables", "overwrites_with_gradient", "own_trainable_variables",
-           "strategy_supports_no_merge_call", "trainable_variables", "tracked_index",
+           "optimizer_own_variables", "overwrites_with_gradient", "own_iterations",
+           "own_trainable_variables", "registered_kernel_devices", "resource_variable",
+           "strategy_supports_no_merge_call", "tracked_index", "trainable_variables",
            "uses_weight_decay", "variable_index"]
 
 
@@ -46,7 +48,7 @@ _METHODS = (
 )
 # (owner, attributes its __init__ or build assigns on self)
 _INSTANCE_ATTRIBUTES = (
-    (keras.optimizers.Optimizer, ("_variables", "_trainable_variables",
+    (keras.optimizers.Optimizer, ("_iterations", "_variables", "_trainable_variables",
                                   "_trainable_variables_indices", "_distribution_strategy")),
     (keras.layers.Layer, ("_trainable_variables",)),
 )
@@ -61,6 +63,8 @@ _FUNCTIONS = (
     (tf.__internal__.distribute, "strategy_supports_no_merge_call", ()),
     (tf.__internal__.distribute, "interim.maybe_merge_call", ("fn", "strategy")),
     (control_flow_util, "GraphOrParentsInXlaContext", ("graph",)),
+    (kernels, "get_registered_kernels_for_op", ("name",)),
+    (resource_variable_ops, "ResourceVariable", ()),
 )
 
 
@@ -156,6 +160,11 @@ def trainable_variables(optimizer):
     return optimizer._trainable_variables
 
 
+def own_iterations(optimizer):
+    """``optimizer``'s own step counter (a wrapper's ``iterations`` may forward elsewhere)."""
+    return optimizer._iterations
+
+
 def optimizer_own_variables(optimizer):
     """``optimizer``'s own variables (a wrapper's, without its inner optimizer's)."""
     return optimizer._variables
@@ -188,6 +197,17 @@ def merge_call(fn, strategy, *args):
 
 def strategy_supports_no_merge_call():
     return tf.__internal__.distribute.strategy_supports_no_merge_call()
+
+
+def registered_kernel_devices(op_name):
+    """The device types (``"CPU"``, ``"GPU"``) with a kernel registered for ``op_name``."""
+    return {kernel.device_type for kernel in kernels.get_registered_kernels_for_op(op_name).kernel}
+
+
+def resource_variable(**kwargs):
+    """A plain ``tf.Variable`` created without the variable creators of the current scope's
+    strategy (the caller passes ``next_creator``'s keyword arguments)."""
+    return resource_variable_ops.ResourceVariable(**kwargs)
 
 
 def in_xla_context():

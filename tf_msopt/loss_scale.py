@@ -18,6 +18,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
                                   type_name)
@@ -358,7 +359,7 @@ def _unscale(grad, inv_scale):
 
 
 @register
-class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
+class LossScaleOptimizer(compat.LossScaleOptimizer):
     """Loss scaling with MindSpore's cells and managers, on Keras' ``LossScaleOptimizer``.
 
     Each step (``fit`` scales the loss with :meth:`scale_loss`; a custom loop
@@ -478,7 +479,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
     def load_own_variables(self, store):
         # A file written by Keras' class lacks last_step_skipped and skipped_steps.
         ours = (self.last_step_skipped, self.skipped_steps) if self.built else ()
-        keras_layout = [v for v in self._variables if not any(v is x for x in ours)]
+        keras_layout = [v for v in compat.optimizer_own_variables(self) if not any(v is x for x in ours)]
         keras_layout += self.inner_optimizer.variables
         if ours and len(store.keys()) == len(keras_layout) != len(self.variables):
             for index, variable in enumerate(keras_layout):
@@ -525,7 +526,7 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         if not self.built:
             with keras.name_scope(self.name, caller=self):
                 self.build(trainable_variables)
-        self._stateful_handle_finite_grads(grads, trainable_variables)
+        self.apply_finite(grads, trainable_variables)
 
     def check_finite(self, grads):
         """True when every gradient of every replica is finite (called in replica context)."""
@@ -541,12 +542,12 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
         """1.0 when one of this replica's gradients is not finite, else 0.0."""
         return tf.cast(tf.logical_not(super().check_finite(grads)), tf.float32)
 
-    def _tf_apply(self, grads, trainable_variables=None):
+    def apply_in_context(self, grads, trainable_variables=None):
         if tf.distribute.in_cross_replica_context():
             raise ValueError("apply() must be called in a replica context.")
-        if tf.__internal__.distribute.strategy_supports_no_merge_call():
+        if compat.strategy_supports_no_merge_call():
             # Every replica takes the branch itself: check_finite all-reduces the verdict.
-            return self._common_apply(grads, trainable_variables)
+            return self.apply_checked(grads, trainable_variables)
         # Keras' merge-call path, with the verdicts of all replicas combined
         # instead of replica 0's taken.
         return tf.distribute.get_replica_context().merge_call(
@@ -562,23 +563,23 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
             total = distribution.reduce(tf.distribute.ReduceOp.SUM, overflows, axis=None)
         finite = tf.equal(total, 0.0)
 
-        def apply_finite():
+        def apply_on_every_replica():
             distribution.extended.call_for_each_replica(
-                self._stateful_handle_finite_grads, args=(grads, trainable_variables))
+                self.apply_finite, args=(grads, trainable_variables))
 
         # In cross-replica context: a cond in replica context cannot reach merge_call.
-        tf.cond(finite, apply_finite, self._stateful_handle_non_finite_grads)
+        tf.cond(finite, apply_on_every_replica, self.skip_non_finite)
 
-    def _stateful_handle_finite_grads(self, grads, trainable_variables):
+    def apply_finite(self, grads, trainable_variables):
         if self._unscale_in_apply:
-            tvs = trainable_variables or self._trainable_variables
+            tvs = trainable_variables or compat.trainable_variables(self)
             inv_scale = tf.math.reciprocal(tf.convert_to_tensor(self.dynamic_scale))
-            grads = [g if g is None or self._overwrite_variable_with_gradient(v)
+            grads = [g if g is None or compat.overwrites_with_gradient(self, v)
                      else _unscale(g, inv_scale) for g, v in zip(grads, tvs)]
         self.inner_optimizer.apply(grads, trainable_variables=trainable_variables)
         self._record_step(overflow=False)
 
-    def _stateful_handle_non_finite_grads(self):
+    def skip_non_finite(self):
         self._record_step(overflow=True)
 
     def _record_step(self, overflow):

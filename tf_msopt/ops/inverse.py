@@ -31,8 +31,8 @@ import numbers
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.framework import kernels  # private, long-stable registry query
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context
 from tf_msopt.ops._loader import load_custom_ops
 
@@ -201,8 +201,7 @@ def damped_inverse(matrices, damping):
 
 
 def _has_gpu_kernel():
-    registered = kernels.get_registered_kernels_for_op(OP_NAME).kernel
-    return any(kernel.device_type == "GPU" for kernel in registered)
+    return "GPU" in compat.registered_kernel_devices(OP_NAME)
 
 
 def inverse_backend():

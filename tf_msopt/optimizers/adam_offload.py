@@ -2,8 +2,8 @@
 import keras
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context, register
 from tf_msopt._validation import check_bool, check_float, check_number_range, type_name
 from tf_msopt.ops.adam import adam_offload_step
@@ -140,7 +140,7 @@ def _single_copy_variable(next_creator, **kwargs):
     """Creates a plain variable where it is asked for: one copy on the host, even inside a
     ``tf.distribute`` scope (whose creator would put a mirror on every replica's device)."""
     del next_creator
-    return resource_variable_ops.ResourceVariable(**kwargs)
+    return compat.resource_variable(**kwargs)
 
 
 def _same_device(a, b):
@@ -278,7 +278,7 @@ class AdamOffload(MindSporeOptimizer):
         """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``."""
         return self._moment1, self._moment2
 
-    def _apply_weight_decay(self, variables):
+    def decay_weights(self, variables):
         """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
 
     def _add_delta(self, variable, delta):
@@ -287,7 +287,7 @@ class AdamOffload(MindSporeOptimizer):
 
     # -- the step ----------------------------------------------------------------------------
 
-    def _distributed_tf_update_step(self, distribution, grads_and_vars, learning_rate):
+    def distributed_update(self, distribution, grads_and_vars, learning_rate):
         # Keras calls update_step once per replica's copy of a variable; the host
         # state must be updated once per step, so each delta is computed once here
         # (from the summed gradient) and added to every copy.
@@ -302,7 +302,7 @@ class AdamOffload(MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         """One variable, for wrappers that call ``update_step`` themselves (e.g. LARS)."""
-        if self._distribution_strategy.num_replicas_in_sync > 1:
+        if compat.distribution_strategy(self).num_replicas_in_sync > 1:
             raise RuntimeError(
                 f"For '{_OWNER}', update_step was called for one replica's copy of a variable, "
                 f"which would update the shared host state once per replica. Under a "
@@ -341,7 +341,7 @@ class AdamOffload(MindSporeOptimizer):
         """Updates the host state of one variable; returns its delta, or None when the
         variable lives on the host and was updated in the same pass."""
         variable = copies[0]
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         grad = tf.cast(tf.convert_to_tensor(gradient), variable.dtype)  # IndexedSlices: dense
         decay = self._decay_factors[index]
         if decay:

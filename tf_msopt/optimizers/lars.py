@@ -2,6 +2,7 @@
 import keras
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import check_bool, check_float, type_name
 from tf_msopt.optimizers.base import (
@@ -156,7 +157,7 @@ class LARS(MindSporeOptimizer):
 
     @property
     def variables(self):
-        return self._variables + self.inner_optimizer.variables
+        return compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
     def set_weights(self, weights):
         """Sets every value of :attr:`variables`: LARS' own and the wrapped optimizer's."""
@@ -175,7 +176,7 @@ class LARS(MindSporeOptimizer):
         self._lars_flags = [bool(self._lars_filter(v)) for v in var_list]
         # Keras matches exclude_from_weight_decay names on the tf.Variable's full name.
         self._decay_flags = [bool(self.weight_decay)
-                             and self.inner_optimizer._use_weight_decay(_tf_variable(v))
+                             and compat.uses_weight_decay(self.inner_optimizer, _tf_variable(v))
                              for v in var_list]
 
     def apply(self, grads, trainable_variables=None):
@@ -184,16 +185,16 @@ class LARS(MindSporeOptimizer):
         steps = self.gradient_accumulation_steps
         if steps:  # the wrapped optimizer steps on the calls that update, as in Keras
             applied = tf.cast(tf.equal(tf.math.floormod(
-                tf.convert_to_tensor(self._iterations) + 1, steps), 0), tf.int64)
+                tf.convert_to_tensor(compat.own_iterations(self)) + 1, steps), 0), tf.int64)
         super().apply(grads, trainable_variables)
         # The wrapped optimizer's step count drives its schedule and bias corrections.
         self.inner_optimizer.iterations.assign_add(applied if steps else 1)
 
-    def _apply_weight_decay(self, variables):
+    def decay_weights(self, variables):
         """No decoupled decay: LARS adds ``weight_decay * w`` to the gradient instead."""
 
     def _update(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         if not self._lars_flags[index]:
             self.inner_optimizer.update_step(gradient, variable, learning_rate)
             return
@@ -236,7 +237,7 @@ class LARS(MindSporeOptimizer):
             tf.raw_ops.ResourceApplyGradientDescent(var=handle, alpha=learning_rate,
                                                     delta=gradient)
             return
-        momentum = inner.momentums[inner._get_variable_index(variable)]
+        momentum = inner.momentums[compat.variable_index(inner, variable)]
         tf.raw_ops.ResourceApplyKerasMomentum(
             var=handle, accum=_tf_variable(momentum).handle, lr=learning_rate, grad=gradient,
             momentum=tf.cast(inner.momentum, variable.dtype), use_nesterov=inner.nesterov)

@@ -4,6 +4,7 @@ import numbers
 import keras
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._validation import check_float, check_number_range, type_name
 from tf_msopt.ops.sign import update_sign_variables
 from tf_msopt.optimizers.base import MindSporeOptimizer
@@ -49,7 +50,7 @@ class SignOptimizer(MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         dtype = variable.dtype
-        m = self._momentums[self._get_variable_index(variable)]
+        m = self._momentums[compat.variable_index(self, variable)]
         hyper = [tf.cast(x, dtype) for x in (
             learning_rate, getattr(self, self._coefficient), self._current_sign_decay(), self.beta)]
         grad = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense semantics

@@ -418,7 +418,7 @@ class THOR(MindSporeOptimizer):
         self.assign_add(self.failed_inverses, tf.where(observed, kept, zero))
 
     def _update(self, gradient, variable, learning_rate):
-        index = self._get_variable_index(variable)
+        index = compat.variable_index(self, variable)
         gradient = tf.cast(gradient, tf.float32)
         if self.loss_scale != 1.0:
             gradient = gradient / self.loss_scale

@@ -393,3 +393,37 @@ def test_unsavable_groups_fail_clearly():
         mso.AdamOffload(groups=[{"params": lambda v: True}]).get_config()
     with pytest.raises(ValueError, match=r"groups\[0\]\['learning_rate'\] is the Python callable"):
         mso.AdamOffload(groups=[{"params": ["a"], "learning_rate": lambda: 0.1}]).get_config()
+
+
+class _RecordingAdamOffload(mso.AdamOffload):
+    """Records which variables go through the optimizer's assign methods."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.written = []
+
+    def assign(self, variable, value):
+        self.written.append(("assign", variable))
+        super().assign(variable, value)
+
+    def assign_add(self, variable, value):
+        self.written.append(("assign_add", variable))
+        super().assign_add(variable, value)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_writes_go_through_the_optimizers_assign_methods(in_place, monkeypatch):
+    """Keras' rule (its sparse and overwrite handling rely on it): the weights, and the
+    moments where TensorFlow ops write them (the pure-TF path), are written with
+    ``optimizer.assign*``, not ``Variable.assign*``."""
+    use_backend(monkeypatch, "pure_tf")
+    weight = variable([1.0, -2.0, 3.0], "fc/kernel")
+    host = "/CPU:0" if in_place else "/CPU:1"   # in place: the weight lives on the host
+    optimizer = _RecordingAdamOffload(0.1, host_device=host)
+    optimizer.apply([tf.constant([0.5, 0.5, -1.0])], [weight])
+    key = lambda v: id(getattr(v, "value", v))  # noqa: E731
+    written = {(kind, key(v)) for kind, v in optimizer.written}
+    assert ("assign_add", key(weight)) in written
+    m, v = (moments[0] for moments in optimizer.moments)
+    assert ("assign", key(m)) in written and ("assign", key(v)) in written
+    np.testing.assert_allclose(weight.numpy(), [0.9, -2.1, 3.1], rtol=1e-5)

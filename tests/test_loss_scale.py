@@ -351,3 +351,125 @@ def test_monitor_requires_our_optimizer():
     model.compile(keras.optimizers.SGD(), "mse")
     with pytest.raises(ValueError, match="tf_msopt.LossScaleOptimizer"):
         model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0, callbacks=[LossScaleMonitor()])
+
+
+# --------------------------------------------------------------- Keras' form (drop-in)
+
+def test_keras_form_and_its_defaults():
+    default = mso.LossScaleOptimizer(keras.optimizers.SGD(0.1))
+    cell = default.scale_sense
+    assert type(cell) is mso.DynamicLossScaleUpdateCell
+    assert (cell.loss_scale_value, cell.scale_factor, cell.scale_window) == (2.0**15, 2.0, 2000)
+    assert (default.initial_scale, default.dynamic_growth_steps) == (2.0**15, 2000)
+    given = mso.LossScaleOptimizer(keras.optimizers.SGD(0.1), initial_scale=64,
+                                   dynamic_growth_steps=3)
+    assert given.scale_sense.get_config() == {"loss_scale_value": 64.0, "scale_factor": 2.0,
+                                              "scale_window": 3}
+    assert float(given.scale_loss(1.0)) == 64.0
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    ({"scale_sense": 8.0, "initial_scale": 8.0}, ValueError, "not both"),
+    ({"scale_sense": mso.DynamicLossScaleManager(), "dynamic_growth_steps": 10}, ValueError,
+     "not both"),
+    ({"initial_scale": 0.5}, ValueError, "initial_scale"),
+    ({"initial_scale": "big"}, TypeError, "initial_scale"),
+    ({"dynamic_growth_steps": 0}, ValueError, "dynamic_growth_steps"),
+    ({"dynamic_growth_steps": 2.5}, TypeError, "dynamic_growth_steps"),
+])
+def test_keras_form_argument_errors(kwargs, error, words):
+    with pytest.raises(error, match=words):
+        mso.LossScaleOptimizer(keras.optimizers.SGD(0.1), **kwargs)
+
+
+def _scale_trace(optimizer, steps):
+    variable = keras.Variable([1.0, 2.0])
+    trace = []
+    for grad in steps:
+        optimizer.apply([tf.constant(grad, tf.float32)], [variable])
+        trace.append((float(optimizer.dynamic_scale.numpy()),
+                      int(optimizer.step_counter.numpy()), variable.numpy().tolist()))
+    return trace
+
+
+def test_keras_form_follows_keras_rule():
+    """Without hitting the bounds, the Keras form is Keras' class, step for step."""
+    steps = [[8.0, 8.0]] * 4 + [[np.inf, 1.0], [np.nan, 1.0]] + [[8.0, 8.0]] * 3
+    ours = mso.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.5), initial_scale=8.0,
+                                  dynamic_growth_steps=3)
+    theirs = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.1, momentum=0.5),
+                                                 initial_scale=8.0, dynamic_growth_steps=3)
+    want = _scale_trace(theirs, steps)
+    assert [s for s, _, _ in want] == [8, 8, 16, 16, 8, 4, 4, 4, 8]
+    assert _scale_trace(ours, steps) == want
+
+
+def test_configs_load_into_either_class_where_the_meaning_allows():
+    keras_lso = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01), initial_scale=32,
+                                                    dynamic_growth_steps=7, name="k")
+    ours = mso.LossScaleOptimizer.from_config(json.loads(json.dumps(keras_lso.get_config())))
+    assert ours.name == "k" and isinstance(ours.inner_optimizer, keras.optimizers.Adam)
+    assert ours.scale_sense.get_config() == {"loss_scale_value": 32.0, "scale_factor": 2.0,
+                                             "scale_window": 7}
+    # Keras' meaning (a dynamic cell with factor 2), either form: Keras' keys only.
+    for optimizer in (mso.LossScaleOptimizer(keras.optimizers.SGD(), initial_scale=16,
+                                             dynamic_growth_steps=5),
+                      mso.LossScaleOptimizer(keras.optimizers.SGD(),
+                                             mso.DynamicLossScaleUpdateCell(16, 2, 5))):
+        config = optimizer.get_config()
+        assert "scale_sense" not in config
+        back = keras.optimizers.LossScaleOptimizer.from_config(dict(config))
+        assert (back.initial_scale, back.dynamic_growth_steps) == (16, 5)
+    # No Keras equivalent: our class loads it, Keras' refuses it naming the argument.
+    for scale_sense in (64.0, mso.DynamicLossScaleUpdateCell(16, 3, 5),
+                        mso.FixedLossScaleManager(8, False)):
+        config = mso.LossScaleOptimizer(keras.optimizers.SGD(), scale_sense).get_config()
+        assert "scale_sense" in config and "initial_scale" in config
+        again = mso.LossScaleOptimizer.from_config(dict(config))
+        assert type(again.scale_sense) is type(scale_sense)
+        with pytest.raises(ValueError, match="scale_sense"):
+            keras.optimizers.LossScaleOptimizer.from_config(dict(config))
+
+
+def test_keras_file_with_a_loss_scale_optimizer_continues_in_ours(tmp_path):
+    x, y = np.random.default_rng(0).normal(size=(2, 40, 3)).astype("float32")
+
+    def model_with_keras_lso():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(3)])
+        inner = keras.optimizers.SGD(0.05, momentum=0.9)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(
+            inner, initial_scale=64.0, dynamic_growth_steps=2), loss="mse")
+        return model
+
+    uninterrupted = model_with_keras_lso()
+    for i in range(5):
+        uninterrupted.train_on_batch(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+    model = model_with_keras_lso()
+    for i in range(3):
+        model.train_on_batch(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+    model.save(tmp_path / "keras_lso.keras")
+
+    loaded = keras.models.load_model(tmp_path / "keras_lso.keras", safe_mode=True)
+    assert type(loaded.optimizer) is keras.optimizers.LossScaleOptimizer   # the file's class
+    ours = mso.LossScaleOptimizer.from_keras(loaded.optimizer)
+    loaded.compile(optimizer=ours, loss="mse")
+    for i in range(3, 5):
+        loaded.train_on_batch(x[8 * i:8 * i + 8], y[8 * i:8 * i + 8])
+    assert loaded.optimizer is ours
+    want = uninterrupted.optimizer
+    assert float(ours.dynamic_scale.numpy()) == float(want.dynamic_scale.numpy()) == 256.0
+    assert int(ours.step_counter.numpy()) == int(want.step_counter.numpy())
+    assert int(ours.iterations.numpy()) == 5
+    for got, expected in zip(loaded.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_exclude_from_weight_decay_reaches_the_inner_optimizer():
+    inner = keras.optimizers.SGD(0.1, weight_decay=0.5)
+    kept, decayed = keras.Variable([1.0], name="keep"), keras.Variable([1.0], name="decay")
+    optimizer = mso.LossScaleOptimizer(inner, initial_scale=4.0)
+    optimizer.exclude_from_weight_decay(var_list=[kept])
+    optimizer.apply([tf.zeros([1]), tf.zeros([1])], [kept, decayed])
+    assert kept.numpy().tolist() == [1.0]
+    np.testing.assert_allclose(decayed.numpy(), [1.0 - 0.1 * 0.5])

@@ -409,8 +409,10 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
     The config has Keras' keys (``initial_scale``, ``dynamic_growth_steps``),
     and ``scale_sense`` where Keras' class has no equivalent (a fixed scale, a
     manager, a factor other than 2): such a config loads into this class only,
-    and Keras' class refuses it naming ``scale_sense``. A config, or a
-    ``.keras`` file, written with Keras' class loads into this one.
+    and Keras' class refuses it naming ``scale_sense``. A config written with
+    Keras' class loads into this one; a model loaded from a ``.keras`` file
+    written with Keras' class has Keras' class (the file names it):
+    :meth:`from_keras` turns it into this one, state included.
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the
@@ -476,17 +478,6 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
         """Sets every value of :attr:`variables`: its own and the inner optimizer's."""
         set_all_weights(self, weights)
 
-    def load_own_variables(self, store):
-        # A file written by Keras' class lacks last_step_skipped and skipped_steps.
-        ours = (self.last_step_skipped, self.skipped_steps) if self.built else ()
-        keras_layout = [v for v in compat.optimizer_own_variables(self) if not any(v is x for x in ours)]
-        keras_layout += self.inner_optimizer.variables
-        if ours and len(store.keys()) == len(keras_layout) != len(self.variables):
-            for index, variable in enumerate(keras_layout):
-                variable.assign(store[str(index)])
-            return
-        super().load_own_variables(store)
-
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes variables from the inner optimizer's weight decay (it has the decay)."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
@@ -501,6 +492,8 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
         if self.built:
             return
         super().build(var_list)   # step_counter, dynamic_scale, the inner optimizer
+        if getattr(self, "_initial_step_counter", None):   # from_keras: the window position
+            self.step_counter.assign(self._initial_step_counter)
         self.last_step_skipped = self.add_variable((), initializer="zeros", dtype="int",
                                                    name="last_step_skipped")
         self.skipped_steps = self.add_variable((), initializer="zeros", dtype="int",
@@ -609,6 +602,35 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
         return [None if g is None else _unscale(g, inv_scale) for g in grads]
 
     # --- serialization
+
+    @classmethod
+    def from_keras(cls, optimizer):
+        """This class in place of a ``keras.optimizers.LossScaleOptimizer``, with its state.
+
+        For a model saved with Keras' class (``keras.models.load_model`` gives Keras'
+        class back: the file names it)::
+
+            model = keras.models.load_model("model.keras")
+            model.compile(optimizer=mso.LossScaleOptimizer.from_keras(model.optimizer),
+                          loss=...)
+
+        The inner optimizer (and its state) is reused; the scale, its window counter and
+        the step count are copied.
+        """
+        if not isinstance(optimizer, keras.optimizers.LossScaleOptimizer):
+            raise TypeError(f"For '{cls.__name__}', from_keras() takes a "
+                            f"keras.optimizers.LossScaleOptimizer, but got type "
+                            f"'{type_name(optimizer)}'.")
+        if isinstance(optimizer, cls):
+            return optimizer
+        scale = optimizer.initial_scale
+        if optimizer.built:   # continue from the current scale and window position
+            scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+        ours = cls(optimizer.inner_optimizer, initial_scale=scale,
+                   dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name)
+        if optimizer.built:
+            ours._initial_step_counter = int(keras.ops.convert_to_numpy(optimizer.step_counter))
+        return ours
 
     def _keras_equivalent(self):
         """True when Keras' class has the same rule: a dynamic cell with factor 2."""

@@ -146,7 +146,7 @@ class THOR(MindSporeOptimizer):
 
     def __init__(self, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
                  batch_size=32, use_nesterov=False, decay_filter=None, split_indices=None,
-                 enable_clip_grad=False, frequency=100, block_size=128, layers=None, name="thor",
+                 enable_clip_grad=False, frequency=100, block_size=128, layers=None, name=None,
                  jit_compile=None, **kwargs):
         loss_scale = check_number_range(check_float(loss_scale, "loss_scale", _OWNER),
                                         "loss_scale", _OWNER, low=0.0, low_inclusive=False)
@@ -185,7 +185,6 @@ class THOR(MindSporeOptimizer):
         self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
         self._rules = None
-        self._loss_scale_optimizer = None
         self._thor_initialised = True
 
     # --- layers and connection
@@ -218,20 +217,26 @@ class THOR(MindSporeOptimizer):
             raise ValueError(
                 f"For '{_OWNER}', link_loss_scale_optimizer needs the LossScaleOptimizer whose "
                 f"inner_optimizer is this THOR, but got '{type_name(optimizer)}'.")
-        self._loss_scale_optimizer = optimizer
+        self._set_wrapper(optimizer)
+
+    def _set_wrapper(self, optimizer):
+        # A weak reference outside Keras' attribute tracking: the wrapper already tracks
+        # THOR, and a reference back would make the two each other's dependency.
+        self.__dict__["_thor_wrapper"] = weakref.ref(optimizer)
         self.__dict__["_thor_wrapped"] = True
 
     def _wrapping_loss_scale_optimizer(self):
         """The LossScaleOptimizer that applies this THOR, None if there is none; raises when
         THOR is wrapped by one it cannot find (G would keep the squared loss scale)."""
-        if self._loss_scale_optimizer is not None or not self.__dict__.get("_thor_wrapped"):
-            return self._loss_scale_optimizer
+        linked = self.__dict__.get("_thor_wrapper")
+        if linked is not None or not self.__dict__.get("_thor_wrapped"):
+            return linked and linked()
         model = self._connection.model()
         outer = getattr(model, "optimizer", None)
         while outer is not None and outer is not self:
             if (isinstance(outer, keras.optimizers.LossScaleOptimizer)
                     and outer.inner_optimizer is self):
-                self._loss_scale_optimizer = outer
+                self._set_wrapper(outer)
                 return outer
             outer = getattr(outer, "inner_optimizer", None)
         raise RuntimeError(
@@ -314,7 +319,7 @@ class THOR(MindSporeOptimizer):
         self.failed_inverses = self.add_variable((), initializer="zeros", dtype="int64",
                                                  name="failed_inverses")
         self._decay_flags = [self.weight_decay > 0 and bool(self._decay_filter(v))
-                             and compat.uses_weight_decay(self, v) for v in var_list]
+                             and not self.excluded_from_weight_decay(v) for v in var_list]
 
     # --- the step
 
@@ -376,7 +381,7 @@ class THOR(MindSporeOptimizer):
         """Every scale on the loss: ``loss_scale``, Keras' ``loss_scale_factor`` and the scale
         of the LossScaleOptimizer applying this one, if any."""
         scale = tf.constant(self.loss_scale * (self.loss_scale_factor or 1.0), tf.float32)
-        outer = self._loss_scale_optimizer
+        outer = self._wrapping_loss_scale_optimizer()
         if outer is not None:
             scale *= tf.cast(tf.convert_to_tensor(outer.dynamic_scale), tf.float32)
         return scale

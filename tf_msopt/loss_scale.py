@@ -493,7 +493,8 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
             return
         super().build(var_list)   # step_counter, dynamic_scale, the inner optimizer
         if getattr(self, "_initial_step_counter", None):   # from_keras: the window position
-            self.step_counter.assign(self._initial_step_counter)
+            with tf.init_scope():   # once, now (build may run while a train step is traced)
+                self.step_counter.assign(self._initial_step_counter)
         self.last_step_skipped = self.add_variable((), initializer="zeros", dtype="int",
                                                    name="last_step_skipped")
         self.skipped_steps = self.add_variable((), initializer="zeros", dtype="int",

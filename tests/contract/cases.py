@@ -37,7 +37,9 @@ BASE = {
     "addsign": (lambda model, **kw: mso.AddSign(0.01, **kw), True),
     "powersign": (lambda model, **kw: mso.PowerSign(0.01, **kw), True),
     "lars_sgd": (_lars(_sgd, 0.1), False),
-    "lars_adam": (_lars(keras.optimizers.Adam, 0.01), False),
+    # epsilon 1e-3: Keras' Adam in float16 needs an epsilon float16 holds (1e-7 is 0 there).
+    "lars_adam": (_lars(lambda lr, **kw: keras.optimizers.Adam(lr, epsilon=1e-3, **kw), 0.01),
+                  False),
     "adam_offload": (lambda model, **kw: mso.AdamOffload(0.01, **kw), True),
     "thor": (_thor, True),
 }

@@ -24,6 +24,8 @@ __all__ = ["AdamOffload"]
 DEFAULT_DECAY_EXCLUDES = ("beta", "gamma")
 
 _OWNER = "AdamOffload"
+_HOST_DTYPES = {"float16": "float32", "bfloat16": "float32", tf.float16: tf.float32,
+                tf.bfloat16: tf.float32}
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay")
 _Schedule = keras.optimizers.schedules.LearningRateSchedule
 
@@ -173,7 +175,9 @@ class AdamOffload(MindSporeOptimizer):
     one multi-threaded pass over g, m and v (a compiled CPU kernel, or the same
     arithmetic in TensorFlow ops without it). Only the decay term and
     ``w += delta`` run on the variable's device, so the optimizer keeps no
-    state in accelerator memory. A variable that lives on the host itself is
+    state in accelerator memory. For ``float16`` / ``bfloat16`` variables the
+    moments and the host arithmetic are ``float32`` (half precision cannot hold
+    the second moment or ``eps``), and ``delta`` is rounded on adding it. A variable that lives on the host itself is
     updated in the same pass. Under ``tf.distribute`` one copy of the state is
     kept and ``delta`` is computed once, then added on every replica.
 
@@ -263,8 +267,11 @@ class AdamOffload(MindSporeOptimizer):
             # MindSpore adds (weight_decay * loss_scale) * w to the still-scaled gradient.
             self._decay_factors.append(decay * self.loss_scale)
         with tf.device(self.host_device), tf.variable_creator_scope(_single_copy_variable):
+            # Half-precision variables get float32 moments and host arithmetic (float16
+            # cannot hold Adam's second moment or eps); the delta is cast on adding it.
             self._moment1, self._moment2 = (
-                [self.add_variable(v.shape, dtype=v.dtype, name=slot_name(v, slot))
+                [self.add_variable(v.shape, dtype=_HOST_DTYPES.get(v.dtype, v.dtype),
+                                   name=slot_name(v, slot))
                  for v in var_list]
                 for slot in ("moment1", "moment2"))
             # MindSpore's running products beta**t (float32), and the step they are at.
@@ -342,12 +349,14 @@ class AdamOffload(MindSporeOptimizer):
         variable lives on the host and was updated in the same pass."""
         variable = copies[0]
         index = compat.variable_index(self, variable)
-        grad = tf.cast(tf.convert_to_tensor(gradient), variable.dtype)  # IndexedSlices: dense
+        dtype = self._moment1[index].dtype   # float32 for half-precision variables
+        grad = tf.cast(tf.convert_to_tensor(gradient), dtype)  # IndexedSlices: dense
         decay = self._decay_factors[index]
         if decay:
             with tf.device(variable.device):
-                grad = variable * tf.cast(decay, variable.dtype) + grad
-        in_place = len(copies) == 1 and _same_device(variable.device, self.host_device)
+                grad = tf.cast(variable, dtype) * tf.cast(decay, dtype) + grad
+        in_place = (len(copies) == 1 and variable.dtype == dtype
+                    and _same_device(variable.device, self.host_device))
         beta1_power, beta2_power, lr = scalars[self._group_index[index]]
         return adam_offload_step(
             self._moment1[index].value, self._moment2[index].value, grad, beta1_power,

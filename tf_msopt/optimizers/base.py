@@ -105,6 +105,10 @@ def _learning_rate_type_error(value, arg, owner):
     )
 
 
+def _tf_variable(variable):
+    return variable.value if isinstance(variable, keras.Variable) else variable
+
+
 def variable_path(variable):
     """The path filters match: ``keras.Variable.path``, or a plain ``tf.Variable``'s name
     without its ``:0`` suffix (Keras' optimizers accept both kinds of variable)."""
@@ -253,7 +257,7 @@ class MindSporeOptimizer(compat.Optimizer):
             )
         super().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
         self._decay_exclusion_ids = frozenset(
-            id(x) for v in var_list or () for x in (v, getattr(v, "value", v)))
+            id(x) for v in var_list or () for x in (v, _tf_variable(v)))
         self._decay_exclusion_patterns = tuple(var_names or ())
 
     def apply_gradients(self, grads_and_vars):
@@ -265,7 +269,7 @@ class MindSporeOptimizer(compat.Optimizer):
     def excluded_from_weight_decay(self, variable):
         """True when :meth:`exclude_from_weight_decay` excluded ``variable``."""
         if id(variable) in self._decay_exclusion_ids or id(
-                getattr(variable, "value", variable)) in self._decay_exclusion_ids:
+                _tf_variable(variable)) in self._decay_exclusion_ids:
             return True
         path = variable_path(variable)
         return any(re.search(p, path) for p in self._decay_exclusion_patterns)

@@ -1,15 +1,33 @@
-"""Average THOR train-step time at frequency=100 against SGD with momentum, same MLP, same run.
+"""THOR train-step time against Keras SGD with momentum, same model, same process.
 
 Each case is a compiled train step (forward, loss, gradients, ``apply``) on the
-same MLP and batch. A timing round is ``--frequency`` consecutive steps, so each
-THOR round holds exactly one THOR step (statistics, all-reduce, inverses) and
-``frequency - 1`` stale steps; cases run interleaved, round after round, and the
-median per-step time of each is reported with its ratio to SGD with momentum
-(target <= 1.25x). ``thor stale`` is THOR with no refresh in the timed window:
-what every stale step costs (preconditioning ``A_inv g G_inv`` and the momentum
-update). The last line printed is JSON.
+same model and batch (random data made here; nothing is downloaded). A timing
+round is a multiple of ``--frequency`` consecutive steps, so each THOR round
+holds the same number of THOR steps (statistics, all-reduce, inverses) and
+stale steps; cases run interleaved, round after round, and the median per-step
+time of each is reported with its ratio to SGD with momentum. ``thor stale`` is
+THOR with no refresh in the timed window: what every stale step costs
+(preconditioning ``A_inv g G_inv`` and the momentum update).
 
-    python benchmarks/thor_step.py [--hidden 512] [--batch 512] [--rounds 5]
+Models (``--model``, ``all`` runs every one; the defaults are the targets'):
+
+- ``mlp`` (default): 784-512-512-10, batch 512, frequency 100; average <= 1.25x.
+- ``digits-mlp``: the ``tf-msopt compare`` MLP (64-64-64-10), batch 64; stale <= 1.1x.
+- ``resnet50``: ``keras.applications.ResNet50(weights=None)``, 64x64x3, batch 16,
+  frequency 10; average <= 1.1x.
+- ``transformer``: tokens (64) -> Embedding 128 -> 2 x [MultiHeadAttention(4 heads,
+  key_dim 32) + residual + LayerNorm + Dense 256 relu + Dense 128 + residual +
+  LayerNorm] -> average pooling -> Dense, batch 32, frequency 10; every
+  EinsumDense/Dense kernel must be preconditioned (checked); average <= 1.3x.
+
+``--split`` adds, per model, the split of one THOR step: the stale step, a THOR
+step alone, the gradient pass with and without the statistics capture, and the
+inversion of every layer's factors (the curvature blocks' ``invert`` and the bare
+``damped_inverse_with_status`` op on the same block shapes). The last line
+printed is JSON.
+
+    python benchmarks/thor_step.py [--model mlp|digits-mlp|resnet50|transformer|all]
+                                   [--batch B] [--frequency F] [--rounds R] [--split]
 """
 import argparse
 import json
@@ -25,72 +43,266 @@ import tensorflow as tf  # noqa: E402
 import tf_msopt as mso  # noqa: E402
 from timing import time_cases  # noqa: E402
 
+# Per model: defaults, and the target (which case, at most how many times SGD-momentum).
+MODELS = {
+    "mlp": dict(batch=512, frequency=100, rounds=5, repeats=1,
+                target=("average", 1.25)),
+    "digits-mlp": dict(batch=64, frequency=10, rounds=7, repeats=20,
+                       target=("stale", 1.1)),
+    "resnet50": dict(batch=16, frequency=10, rounds=3, repeats=1,
+                     target=("average", 1.1)),
+    "transformer": dict(batch=32, frequency=10, rounds=3, repeats=2,
+                        target=("average", 1.3)),
+}
 
-def make_model(features, hidden, classes):
-    keras.utils.set_random_seed(0)
-    return keras.Sequential([
-        keras.Input((features,)),
-        keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(hidden, activation="relu"),
-        keras.layers.Dense(classes),
-    ])
+
+# --- models and data
 
 
-def train_step(make_optimizer, args, x, y):
-    model = make_model(x.shape[1], args.hidden, args.classes)
-    optimizer = make_optimizer(model)
-    optimizer.build(model.trainable_variables)
-    loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+def mlp(args, rng):
+    def model():
+        return keras.Sequential([
+            keras.Input((args.features,)),
+            keras.layers.Dense(args.hidden, activation="relu"),
+            keras.layers.Dense(args.hidden, activation="relu"),
+            keras.layers.Dense(args.classes),
+        ])
+    x = rng.normal(size=(args.batch, args.features)).astype("float32")
+    return model, x, f"MLP {args.features}-{args.hidden}-{args.hidden}-{args.classes}"
 
-    @tf.function
-    def step():
+
+def digits_mlp(args, rng):
+    from tf_msopt.compare import make_model
+
+    def model():
+        return make_model("mlp", (64,), args.classes)
+    x = rng.normal(size=(args.batch, 64)).astype("float32")
+    return model, x, f"digits MLP 64-64-64-{args.classes} (tf-msopt compare), softmax output"
+
+
+def resnet50(args, rng):
+    def model():
+        return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3),
+                                           classes=args.classes, classifier_activation=None)
+    x = rng.normal(size=(args.batch, 64, 64, 3)).astype("float32")
+    return model, x, "keras.applications.ResNet50(weights=None), 64x64x3"
+
+
+def transformer(args, rng):
+    width, heads, sequence = 128, 4, args.sequence
+
+    def model():
+        tokens = keras.Input((sequence,), dtype="int32")
+        h = keras.layers.Embedding(args.vocab, width)(tokens)
+        for _ in range(2):
+            attention = keras.layers.MultiHeadAttention(heads, width // heads)(h, h)
+            h = keras.layers.LayerNormalization()(h + attention)
+            feed = keras.layers.Dense(2 * width, activation="relu")(h)
+            feed = keras.layers.Dense(width)(feed)
+            h = keras.layers.LayerNormalization()(h + feed)
+        h = keras.layers.GlobalAveragePooling1D()(h)
+        return keras.Model(tokens, keras.layers.Dense(args.classes)(h))
+    x = rng.integers(0, args.vocab, size=(args.batch, sequence)).astype("int32")
+    return model, x, (f"transformer, 2 blocks, width {width}, {heads} heads, sequence "
+                      f"{sequence}, vocabulary {args.vocab}")
+
+
+BUILDERS = {"mlp": mlp, "digits-mlp": digits_mlp, "resnet50": resnet50,
+            "transformer": transformer}
+
+
+def check_all_kernels_preconditioned(optimizer):
+    """Fails loudly unless every Dense/EinsumDense kernel has a THOR rule."""
+    report = optimizer.report()
+    kernels = [row for row in report.rows if row.layer_type in ("Dense", "EinsumDense")
+               and row.variable.endswith("kernel")]
+    missing = [f"{row.variable}: {row.reason}" for row in kernels if row.rule == "first order"]
+    if missing or len(kernels) != 2 * 4 + 2 * 2 + 1:
+        raise SystemExit(f"transformer: expected 13 Dense/EinsumDense kernels, all "
+                         f"preconditioned; got {len(kernels)}, first order: {missing}\n{report}")
+    return len(kernels)
+
+
+# --- steps
+
+
+class Case:
+    """One model with one optimizer; compiled steps on the same batch."""
+
+    def __init__(self, make_model, make_optimizer, x, y):
+        keras.utils.set_random_seed(0)
+        self.model = make_model()
+        self.optimizer = make_optimizer(self.model)
+        self.optimizer.build(self.model.trainable_variables)
+        self.x, self.y = tf.constant(x), tf.constant(y)
+        self.loss_fn = keras.losses.SparseCategoricalCrossentropy(
+            from_logits=self.model.layers[-1].activation is not keras.activations.softmax)
+
+    def _gradients(self):
         with tf.GradientTape() as tape:
-            loss = loss_fn(y, model(x, training=True))
-        optimizer.apply(tape.gradient(loss, model.trainable_variables),
-                        model.trainable_variables)
+            loss = self.loss_fn(self.y, self.model(self.x, training=True))
+        return tape.gradient(loss, self.model.trainable_variables)
 
-    return step
+    def step(self, thor_step=None):
+        """The train step; ``thor_step`` True/False forces the kind of THOR step (it sets
+        the optimizer's step counter first)."""
+        variables = self.model.trainable_variables
+
+        @tf.function
+        def step():
+            if thor_step is not None:
+                self.optimizer.iterations.assign(0 if thor_step else 1)
+            self.optimizer.apply(self._gradients(), variables)
+        return step
+
+    def gradients(self, capture):
+        """Forward and backward pass only, with THOR's statistics capture on or off."""
+        @tf.function
+        def gradients():
+            self.optimizer.iterations.assign(0 if capture else 1)
+            return self._gradients()
+        return gradients
+
+    def inversion(self, bare):
+        """Every layer's new inverses from its captured statistics: the blocks' ``invert``
+        (damping, padding, retry guard), or (``bare``) only the inverse op on the same
+        blocks."""
+        from tf_msopt.ops.inverse import damped_inverse_with_status
+
+        optimizer = self.optimizer
+        blocks = [block for block in optimizer._blocks if block.has_factors]
+        statistics = optimizer._connection.statistics
+        previous = list(zip(optimizer.a_inverses, optimizer.g_inverses))
+        damping = tf.sqrt(0.03)
+
+        @tf.function
+        def invert():
+            results = []
+            for block, stats, (a_old, g_old) in zip(blocks, statistics, previous):
+                rows = tf.maximum(tf.convert_to_tensor(stats.rows), 1.0)
+                a, g = stats.a / rows, stats.g / rows
+                if bare:
+                    results += [damped_inverse_with_status(m, damping)[0]
+                                for m in (a, g) if m.shape.rank == 3]
+                else:
+                    results.append(block.invert(a, g, damping, (a_old, g_old),
+                                                optimizer.block_size)[0])
+            return results
+        return invert
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--features", type=int, default=784)
-    parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--classes", type=int, default=10)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--frequency", type=int, default=100)
-    parser.add_argument("--block-size", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-
+def run_model(name, args):
+    spec = MODELS[name]
+    args = argparse.Namespace(**vars(args))
+    for key in ("batch", "frequency", "rounds", "repeats"):
+        if getattr(args, key) is None:
+            setattr(args, key, spec[key])
     rng = np.random.default_rng(0)
-    x = tf.constant(rng.normal(size=(args.batch, args.features)).astype("float32"))
-    y = tf.constant(rng.integers(0, args.classes, size=args.batch).astype("int32"))
+    make_model, x, title = BUILDERS[name](args, rng)
+    y = rng.integers(0, args.classes, size=args.batch).astype("int32")
+
+    def sgd(model):
+        return keras.optimizers.SGD(0.01, momentum=0.9)
 
     def thor(frequency):
         return lambda model: mso.thor(model, 0.01, 0.03, 0.9, frequency=frequency,
                                       block_size=args.block_size)
 
-    steps = {
-        "sgd momentum": train_step(lambda model: keras.optimizers.SGD(0.01, momentum=0.9),
-                                   args, x, y),
-        f"thor F={args.frequency}": train_step(thor(args.frequency), args, x, y),
-        "thor stale": train_step(thor(10**9), args, x, y),   # one THOR step, in the warm-up
-    }
-    # A warm-up of `frequency` steps keeps each timed round aligned on one THOR step.
-    times = time_cases(steps, args.rounds, args.frequency, warmup=args.frequency)
+    cases = {"sgd momentum": Case(make_model, sgd, x, y),
+             f"thor F={args.frequency}": Case(make_model, thor(args.frequency), x, y),
+             "thor stale": Case(make_model, thor(10**9), x, y)}  # one THOR step, in warm-up
+    report = cases["thor stale"].optimizer.report()
+    kernels = check_all_kernels_preconditioned(cases["thor stale"].optimizer) \
+        if name == "transformer" else None
+    steps = {key: case.step() for key, case in cases.items()}
+    if args.split:
+        split_case = Case(make_model, thor(args.frequency), x, y)
+        steps.update({
+            "thor step alone": split_case.step(thor_step=True),
+            "grads, capture off": split_case.gradients(capture=False),
+            "grads, capture on": split_case.gradients(capture=True),
+        })
+        split_case.gradients(capture=True)()       # statistics for the inversions
+        steps["inversion (blocks)"] = split_case.inversion(bare=False)
+        steps["inverse op alone"] = split_case.inversion(bare=True)
+        steps["empty tf.function"] = tf.function(lambda: tf.constant(0.0))
+
+    print(f"\n== {name}: {title}, batch {args.batch}, frequency {args.frequency}, blocks of "
+          f"{args.block_size}, inverse back-end {mso.ops.inverse.inverse_backend()}")
+    print(f"   {len(report.preconditioned)} variable(s) with a THOR rule, "
+          f"{len(report.first_order)} first order"
+          + (f"; all {kernels} Dense/EinsumDense kernels preconditioned" if kernels else ""))
+    calls = args.frequency * args.repeats
+    # A warm-up of `frequency` steps keeps each timed round aligned on the THOR steps.
+    times = time_cases(steps, args.rounds, calls, warmup=args.frequency)
     baseline = times["sgd momentum"]
-    print(f"MLP {args.features}-{args.hidden}-{args.hidden}-{args.classes}, batch {args.batch}, "
-          f"blocks of {args.block_size}, inverse back-end "
-          f"{mso.ops.inverse.inverse_backend()}")
-    print(f"{'case':>16} {'ms/step':>9} {'vs SGD':>7}")
-    for name, seconds in times.items():
-        print(f"{name:>16} {1e3 * seconds:9.3f} {seconds / baseline:7.3f}x")
+    print(f"{'case':>22} {'ms/step':>9} {'vs SGD':>7}")
+    for key, seconds in times.items():
+        print(f"{key:>22} {1e3 * seconds:9.3f} {seconds / baseline:7.3f}x")
+    which, limit = spec["target"]
+    target_case = f"thor F={args.frequency}" if which == "average" else "thor stale"
+    ratio = times[target_case] / baseline
+    print(f"target: {target_case} <= {limit}x SGD momentum: {ratio:.3f}x, "
+          f"{'met' if ratio <= limit else 'MISSED'}")
+    result = {"args": {k: v for k, v in vars(args).items() if k != "model"},
+              "ms_per_step": {k: 1e3 * v for k, v in times.items()},
+              "ratio_vs_sgd": {k: v / baseline for k, v in times.items()},
+              "target": {"case": target_case, "ratio_vs_sgd": limit, "met": ratio <= limit}}
+    if args.split:
+        result["split_ms"] = print_split(times, args.frequency)
+    return result
+
+
+def print_split(times, frequency):
+    """The THOR step's extra cost over a stale step, by part (ms)."""
+    ms = {k: 1e3 * v for k, v in times.items()}
+    capture = ms["grads, capture on"] - ms["grads, capture off"]
+    extra = ms["thor step alone"] - ms["thor stale"]
+    call = ms["empty tf.function"]       # the call overhead in the inversions timed alone
+    inversion, inverse_op = ms["inversion (blocks)"] - call, ms["inverse op alone"] - call
+    split = {
+        "sgd momentum step": ms["sgd momentum"],
+        "stale step": ms["thor stale"],
+        "preconditioning (stale - sgd)": ms["thor stale"] - ms["sgd momentum"],
+        "thor step": ms["thor step alone"],
+        "thor step extra (thor - stale)": extra,
+        "capture (grads on - off)": capture,
+        "all-reduce": 0.0,
+        "inversion (blocks' invert, less a call)": inversion,
+        "of which the inverse op": inverse_op,
+        "rest (extra - capture - inversion)": extra - capture - inversion,
+        f"THOR step amortised over F={frequency}": extra / frequency,
+    }
+    print("split of a THOR step (ms; one device, so the all-reduce is the identity):")
+    for key, value in split.items():
+        print(f"{key:>40} {value:9.3f}")
+    return split
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="mlp", choices=[*MODELS, "all"])
+    parser.add_argument("--features", type=int, default=784, help="mlp only")
+    parser.add_argument("--hidden", type=int, default=512, help="mlp only")
+    parser.add_argument("--classes", type=int, default=10)
+    parser.add_argument("--vocab", type=int, default=1000, help="transformer only")
+    parser.add_argument("--sequence", type=int, default=64, help="transformer only")
+    parser.add_argument("--batch", type=int, help="default: the model's (see above)")
+    parser.add_argument("--frequency", type=int, help="default: the model's")
+    parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, help="default: the model's")
+    parser.add_argument("--repeats", type=int,
+                        help="frequency-long runs per round (default: the model's)")
+    parser.add_argument("--split", action="store_true",
+                        help="also time the parts of a THOR step")
+    args = parser.parse_args()
+
+    names = list(MODELS) if args.model == "all" else [args.model]
+    results = {name: run_model(name, args) for name in names}
     print(json.dumps({
         "benchmark": "thor_step", "machine": platform.machine(), "cpus": os.cpu_count(),
-        "args": vars(args), "ms_per_step": {k: 1e3 * v for k, v in times.items()},
-        "ratio_vs_sgd": {k: v / baseline for k, v in times.items()},
-        "target": {"ratio_vs_sgd": 1.25},
+        "tensorflow": tf.__version__, "keras": keras.__version__,
+        "inverse_backend": mso.ops.inverse.inverse_backend(), "models": results,
     }))
 
 

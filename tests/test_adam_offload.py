@@ -180,7 +180,8 @@ def test_other_float_dtypes(dtype, backend):
     opt = mso.AdamOffload(0.01, weight_decay=0.1)
     for (g,) in grads:
         opt.apply([tf.constant(g, dtype)], [w])
-    assert opt.moments[0][0].dtype == dtype
+    # half-precision variables keep float32 moments on the host
+    assert opt.moments[0][0].dtype == ("float32" if dtype == "float16" else dtype)
     want = numpy_adam_offload([init], grads, lr=0.01, decay=[0.1])[-1][0]
     tolerance = {"float16": 2e-3, "float64": 1e-6}[dtype]
     np.testing.assert_allclose(w.numpy(), want, rtol=tolerance, atol=tolerance)
@@ -366,8 +367,6 @@ def test_build_time_errors():
     opt = mso.AdamOffload(groups=[{"params": ["kernel"]}, {"params": ["^a/"]}])
     with pytest.raises(RuntimeError, match=r"'a/kernel' is in groups \[0, 1\]"):
         opt.build([a, b])
-    with pytest.raises(ValueError, match="use groups"):
-        mso.AdamOffload(weight_decay=0.1).exclude_from_weight_decay(var_names=["bias"])
 
 
 def test_config_round_trip():

@@ -202,10 +202,6 @@ def test_filter_decides_the_numbers():
     (lambda sgd: mso.LARS(sgd, lars_filter="bias"), TypeError, "the 'lars_filter' must be None"),
     (lambda sgd: mso.LARS(sgd, lars_filter=["("]), ValueError, "invalid regular expression"),
     (lambda sgd: mso.LARS(sgd, jit_compile="yes"), TypeError, "'jit_compile' should be 'bool'"),
-    (lambda sgd: mso.LARS(keras.optimizers.SGD(0.1, use_ema=True)), ValueError,
-     "must not set 'use_ema'"),
-    (lambda sgd: mso.LARS(keras.optimizers.SGD(0.1, gradient_accumulation_steps=2)), ValueError,
-     "must not set 'gradient_accumulation_steps'"),
 ])
 def test_argument_errors(make, error, text):
     with pytest.raises(error) as info:

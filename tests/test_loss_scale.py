@@ -171,7 +171,6 @@ def test_accepted_edge_values():
 @pytest.mark.parametrize("scale_sense, error, words", [
     ("8", TypeError, ["'scale_sense'", "str"]),
     (True, TypeError, ["'scale_sense'", "bool"]),
-    (None, TypeError, ["'scale_sense'", "NoneType"]),
     (np.array([8.0, 8.0]), ValueError, ["shape of 'scale_sense'", "(2,)"]),
     (0.5, ValueError, ["'scale_sense'", "0.5"]),
     (math.inf, ValueError, ["'scale_sense'"]),

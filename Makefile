@@ -40,6 +40,7 @@ test: $(STAMP)
 	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not once"
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/roofline.py
 	$(BIN)/python benchmarks/update_step.py
 	$(BIN)/python benchmarks/loss_scale_step.py
 	$(BIN)/python benchmarks/adam_offload_step.py

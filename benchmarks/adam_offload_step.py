@@ -13,47 +13,53 @@ kernel, and, when installed, DeepSpeed's ``DeepSpeedCPUAdam`` and
 JSON.
 
     python benchmarks/adam_offload_step.py [--params 10000000] [--variables 10] [--rounds 15]
-                                           [--threads N]
+                                           [--threads both|default|N] [--torch-site DIR]
 
-``--threads`` sets TensorFlow's and PyTorch's thread counts alike (default: their
-own, one per core). On a shared machine ``--threads 1`` is the steadier
+``--threads`` sets TensorFlow's and PyTorch's thread counts alike: ``default``
+(their own, one per core), a number, or ``both`` (the default: the script runs
+itself once with the default thread count and once with one thread, each in a
+fresh process since thread pools are fixed at start-up, and prints both tables
+and a combined JSON line). On a shared machine ``--threads 1`` is the steadier
 comparison: DeepSpeed's OpenMP loop slows down many times over when another
 process takes one of its cores, TensorFlow's thread pool much less.
 
 DeepSpeed and PyTorch are optional (not dependencies of the package); see
-docs/adam_offload.md for installing them beside TensorFlow.
+docs/adam_offload.md for installing them beside TensorFlow. They may also live in
+a virtual environment of their own (same Python version):
+``--torch-site /path/to/venv/lib/python3.X/site-packages`` (or the environment
+variable ``TF_MSOPT_BENCH_TORCH_SITE``) appends that folder to ``sys.path``. PyTorch
+and DeepSpeed's CPU Adam extension are then loaded before TensorFlow (loading
+them after TensorFlow crashes the process), and every case still runs
+interleaved in this one process. Without them the benchmark runs the
+TensorFlow cases only.
 """
 import argparse
 import json
 import os
 import platform
+import subprocess
+import sys
+
+import numpy as np
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-import keras  # noqa: E402
-import numpy as np  # noqa: E402
-import tensorflow as tf  # noqa: E402
 
-_cpu = tf.config.list_physical_devices("CPU")[0]
-tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+def parse_arguments():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--params", type=int, default=10_000_000)
+    parser.add_argument("--variables", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--calls-per-round", type=int, default=3)
+    parser.add_argument("--threads", default="both",
+                        help="both (default), default (one per core), or a number")
+    parser.add_argument("--torch-site", default=os.environ.get("TF_MSOPT_BENCH_TORCH_SITE"),
+                        help="a site-packages folder holding torch and deepspeed")
+    return parser.parse_args()
 
 
-def _threads_argument():
-    """``--threads`` must reach TensorFlow before it runs an op, so it is read here."""
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--threads", type=int, default=None)
-    return parser.parse_known_args()[0].threads
-
-
-THREADS = _threads_argument()
-if THREADS:
-    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
-    tf.config.threading.set_inter_op_parallelism_threads(THREADS)
-
-import tf_msopt as mso  # noqa: E402
-from tf_msopt.ops import _loader  # noqa: E402
-from tf_msopt.ops.adam import adam_offload_step  # noqa: E402
-from timing import time_cases  # noqa: E402
+ARGS = parse_arguments()
+THREADS = int(ARGS.threads) if ARGS.threads.isdigit() else None
 
 
 def make_problem(params, variables):
@@ -62,6 +68,83 @@ def make_problem(params, variables):
     values = [rng.normal(size=size).astype(np.float32) for _ in range(variables)]
     grads = [(rng.normal(size=size) * 1e-2).astype(np.float32) for _ in range(variables)]
     return values, grads
+
+
+def torch_cases(values, grads):
+    """DeepSpeed's CPU Adam and PyTorch's fused Adam, when they are installed.
+
+    Built (and stepped once) before TensorFlow is imported: PyTorch, Triton and
+    DeepSpeed's extension crash the process when they load after TensorFlow.
+    """
+    if ARGS.torch_site:
+        sys.path.append(ARGS.torch_site)
+    cases, notes = {}, {}
+    try:
+        import torch
+    except ImportError as err:
+        return cases, {"torch": f"not installed ({err})"}
+    if THREADS:
+        torch.set_num_threads(THREADS)
+    notes["torch"] = f"{torch.__version__}, {torch.get_num_threads()} threads"
+
+    def parameters():
+        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
+        for param, grad in zip(params, grads):
+            param.grad = torch.from_numpy(grad.copy())
+        return params
+
+    fused = torch.optim.Adam(parameters(), lr=1e-3, eps=1e-8, fused=True)
+    fused.step()
+    cases["torch_adam_fused"] = fused.step
+    try:
+        import deepspeed as deepspeed_package
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        deepspeed = DeepSpeedCPUAdam(parameters(), lr=1e-3, eps=1e-8, adamw_mode=False)
+        deepspeed.step()
+        cases["deepspeed_cpu_adam"] = deepspeed.step
+        notes["deepspeed"] = deepspeed_package.__version__
+    except Exception as err:  # not installed, or its C++ extension failed to build
+        notes["deepspeed"] = f"unavailable ({type(err).__name__}: {err})"
+    return cases, notes
+
+
+def run_both():
+    """Runs this script with the default thread count, then one thread; prints both."""
+    results = {}
+    for threads in ("default", "1"):
+        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--threads", threads]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        lines = output.strip().splitlines()
+        print("\n".join(lines[:-1]) + "\n")
+        results[threads] = json.loads(lines[-1])
+    summary = {f"threads_{k}": r["ratios"].get("adam_offload_throughput_vs_deepspeed_cpu_adam")
+               for k, r in results.items()}
+    print("adam_offload throughput vs DeepSpeedCPUAdam: "
+          + ", ".join(f"{k} {v:.2f}x" if v else f"{k} not measured" for k, v in summary.items()))
+    print(json.dumps({"benchmark": "adam_offload_step", "threads": "both",
+                      "vs_deepspeed": summary, "runs": results}))
+
+
+if __name__ == "__main__" and ARGS.threads == "both":
+    run_both()
+    sys.exit(0)
+
+VALUES, GRADS = make_problem(ARGS.params, ARGS.variables)
+TORCH_CASES, TORCH_NOTES = torch_cases(VALUES, GRADS)
+
+import keras  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+_cpu = tf.config.list_physical_devices("CPU")[0]
+tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+if THREADS:
+    tf.config.threading.set_intra_op_parallelism_threads(THREADS)
+    tf.config.threading.set_inter_op_parallelism_threads(THREADS)
+
+import tf_msopt as mso  # noqa: E402
+from tf_msopt.ops import _loader  # noqa: E402
+from tf_msopt.ops.adam import adam_offload_step  # noqa: E402
+from timing import time_cases  # noqa: E402
 
 
 def keras_case(make_optimizer, values, grads, device="/CPU:0", pure_tf=False):
@@ -110,36 +193,6 @@ def raw_apply_adam_case(values, grads):
     return tf.function(step)
 
 
-def torch_cases(values, grads):
-    """DeepSpeed's CPU Adam and PyTorch's fused Adam, when they are installed."""
-    cases, notes = {}, {}
-    try:
-        import torch
-    except ImportError as err:
-        return cases, {"torch": f"not installed ({err})"}
-    if THREADS:
-        torch.set_num_threads(THREADS)
-    notes["torch"] = f"{torch.__version__}, {torch.get_num_threads()} threads"
-
-    def parameters():
-        params = [torch.nn.Parameter(torch.from_numpy(v.copy())) for v in values]
-        for param, grad in zip(params, grads):
-            param.grad = torch.from_numpy(grad.copy())
-        return params
-
-    fused = torch.optim.Adam(parameters(), lr=1e-3, eps=1e-8, fused=True)
-    cases["torch_adam_fused"] = fused.step
-    try:
-        from deepspeed.ops.adam import DeepSpeedCPUAdam
-        deepspeed = DeepSpeedCPUAdam(parameters(), lr=1e-3, eps=1e-8, adamw_mode=False)
-        cases["deepspeed_cpu_adam"] = deepspeed.step
-        import deepspeed as deepspeed_package
-        notes["deepspeed"] = deepspeed_package.__version__
-    except Exception as err:  # not installed, or its C++ extension failed to build
-        notes["deepspeed"] = f"unavailable ({type(err).__name__}: {err})"
-    return cases, notes
-
-
 def cases(values, grads):
     def offload(host="/CPU:0"):
         return lambda: mso.AdamOffload(1e-3, host_device=host)
@@ -153,23 +206,13 @@ def cases(values, grads):
                                  grads),
         "raw_apply_adam": raw_apply_adam_case(values, grads),
     }
-    extra, notes = torch_cases(values, grads)
-    found.update(extra)
-    return found, notes
+    found.update(TORCH_CASES)
+    return found, dict(TORCH_NOTES)
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--params", type=int, default=10_000_000)
-    parser.add_argument("--variables", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--calls-per-round", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="TensorFlow and PyTorch threads (default: one per core)")
-    args = parser.parse_args()
-
-    values, grads = make_problem(args.params, args.variables)
-    steps, notes = cases(values, grads)
+    args = ARGS
+    steps, notes = cases(VALUES, GRADS)
     medians = time_cases(steps, args.rounds, args.calls_per_round)
     throughput = {name: args.params / seconds / 1e6 for name, seconds in medians.items()}
 

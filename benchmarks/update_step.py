@@ -50,6 +50,22 @@ def raw_momentum_case(values, grads):
     return tf.function(step)
 
 
+def pure_tf_case(make_optimizer, values, grads):
+    """A case traced with the custom ops switched off (the op is chosen at tracing)."""
+    from tf_msopt.ops import _loader
+    step = keras_case(make_optimizer, values, grads)
+    previous = os.environ.get(_loader.DISABLE_ENV)
+    os.environ[_loader.DISABLE_ENV] = "1"
+    try:
+        step.get_concrete_function()
+    finally:
+        if previous is None:
+            os.environ.pop(_loader.DISABLE_ENV, None)
+        else:
+            os.environ[_loader.DISABLE_ENV] = previous
+    return step
+
+
 def tf_kernel(optimizer):
     """Forces TensorFlow's fused kernel instead of the package's one-pass op."""
     optimizer._fused = True
@@ -69,6 +85,7 @@ def cases(values, grads):
         "powersign": keras_case(lambda: mso.PowerSign(0.01, jit_compile=False), values, grads),
         "powersign_jit": keras_case(lambda: mso.PowerSign(0.01, jit_compile=True), values, grads),
         "lars_sgd_momentum": keras_case(lambda: mso.LARS(sgd()), values, grads),
+        "lars_sgd_momentum_pure_tf": pure_tf_case(lambda: mso.LARS(sgd()), values, grads),
         "lars_sgd_momentum_jit": keras_case(lambda: mso.LARS(sgd(), jit_compile=True), values,
                                             grads),
         "lars_adam": keras_case(lambda: mso.LARS(keras.optimizers.Adam(1e-3)), values, grads),
@@ -90,9 +107,9 @@ def main():
     print(f"{args.params:,} float32 params in {args.variables} variables, "
           f"{os.cpu_count()} CPUs, TF {tf.__version__}, Keras {keras.__version__}")
     print(f"back-end: {mso.ops.custom_ops_status()}")
-    print(f"{'case':<22}{'ms/step':>10}{'vs Keras SGD-m':>16}{'vs raw momentum':>17}")
+    print(f"{'case':<26}{'ms/step':>10}{'vs Keras SGD-m':>16}{'vs raw momentum':>17}")
     for name, seconds in medians.items():
-        print(f"{name:<22}{seconds * 1e3:>10.2f}{seconds / sgd:>15.2f}x{seconds / raw:>16.2f}x")
+        print(f"{name:<26}{seconds * 1e3:>10.2f}{seconds / sgd:>15.2f}x{seconds / raw:>16.2f}x")
     targets = {"addsign_vs_keras_sgd_momentum": (medians["addsign"] / sgd, 0.7),
                "addsign_vs_raw_apply_momentum": (medians["addsign"] / raw, 1.1),
                "lars_sgd_momentum_vs_keras_sgd_momentum": (medians["lars_sgd_momentum"] / sgd, 1.15),

@@ -146,13 +146,15 @@ def run_host_steps(backend, monkeypatch, use_nesterov, in_place, size=100_003):
 
 @pytest.mark.parametrize("use_nesterov", [False, True])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_kernel_and_pure_tf_give_the_same_bits(use_nesterov, in_place, monkeypatch):
+def test_kernel_and_pure_tf_agree(use_nesterov, in_place, monkeypatch):
+    """The contract is 1e-6 relative (the kernel may fuse multiply-adds where the CPU has
+    FMA; the pure-TF path rounds every product)."""
     kernel, kernel_ops = run_host_steps("kernel", monkeypatch, use_nesterov, in_place)
     plain, plain_ops = run_host_steps("pure_tf", monkeypatch, use_nesterov, in_place)
     op = "MsOptAdamOffloadUpdate" if in_place else "MsOptAdamOffloadDelta"
     assert op in kernel_ops and not any(name.startswith("MsOpt") for name in plain_ops)
     for got, want in zip(kernel, plain):
-        np.testing.assert_array_equal(got, want)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7 * np.max(np.abs(want)))
 
 
 @pytest.mark.parametrize("in_place", [False, True])

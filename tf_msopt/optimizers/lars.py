@@ -5,6 +5,7 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import check_bool, check_float, type_name
+from tf_msopt.ops.lars import apply_lars_momentum, lars_momentum_kernel
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     check_filter,
@@ -197,6 +198,15 @@ class LARS(MindSporeOptimizer):
         index = compat.variable_index(self, variable)
         if not self._lars_flags[index]:
             self.inner_optimizer.update_step(gradient, variable, learning_rate)
+            return
+        inner = self.inner_optimizer
+        if self._fused_sgd and inner.momentum != 0 and lars_momentum_kernel(variable, gradient):
+            # Norms and update in one compiled two-pass kernel (tf_msopt/ops/lars.py); the
+            # TensorFlow ops below remain the path under XLA or with the custom ops off.
+            apply_lars_momentum(variable, inner.momentums[index], gradient, learning_rate,
+                                inner.momentum,
+                                self.weight_decay if self._decay_flags[index] else 0.0,
+                                self.coefficient, self.epsilon, self.use_clip, inner.nesterov)
             return
         gradient, trust = self._trust_ratio(gradient, variable, learning_rate,
                                             self._decay_flags[index])

@@ -36,10 +36,11 @@ def _thor(model, **kwargs):
 BASE = {
     "addsign": (lambda model, **kw: mso.AddSign(0.01, **kw), True),
     "powersign": (lambda model, **kw: mso.PowerSign(0.01, **kw), True),
-    "lars_sgd": (_lars(_sgd, 0.1), False),
-    # epsilon 1e-3: Keras' Adam in float16 needs an epsilon float16 holds (1e-7 is 0 there).
-    "lars_adam": (_lars(lambda lr, **kw: keras.optimizers.Adam(lr, epsilon=1e-3, **kw), 0.01),
-                  False),
+    "lars_sgd": (_lars(_sgd, 0.1), True),
+    # Keras' Adam computes in the variable's dtype: in float16 its epsilon 1e-7 is 0, and in
+    # bfloat16 its beta_2 0.999 is 1.0 (so it never steps). Values both dtypes hold:
+    "lars_adam": (_lars(lambda lr, **kw: keras.optimizers.Adam(lr, beta_2=0.99, epsilon=1e-3,
+                                                               **kw), 0.01), False),
     "adam_offload": (lambda model, **kw: mso.AdamOffload(0.01, **kw), True),
     "thor": (_thor, True),
 }

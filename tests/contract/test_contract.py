@@ -275,9 +275,6 @@ def test_plain_tf_variables_train_like_keras_variables(case):
                                                    ("bfloat16", 0.5, 2.0**-7)])
 def test_half_precision_variables(case, dtype, tolerance, eps):
     """Half-precision variables train like float32 ones, up to the dtype's precision."""
-    if dtype == "bfloat16" and case.endswith("lars_adam"):
-        # Known failure after merging with the compat-module change: the weights do not move.
-        pytest.xfail("LARS(Adam) on bfloat16 variables does not update yet (open in #16)")
     reference_start = C.weights(C.mlp())
     model = C.mlp(dtype=dtype)
     model.set_weights(reference_start)   # the float32 start, rounded

@@ -126,8 +126,18 @@ class CurvatureBlock:
         raise NotImplementedError
 
     def invert(self, a, g, damping, previous, block_size):
-        """New ``(a_inverse, g_inverse)`` from mean statistics, and the counts of blocks that
-        were retried and that kept their ``previous`` inverse."""
+        """New ``(a_inverse, g_inverse)`` from mean statistics damped by ``damping = (d_A,
+        d_G)``, and the counts of blocks that were retried and that kept their ``previous``
+        inverse."""
+        raise NotImplementedError
+
+    def mean_eigenvalues(self, a, g, block_size):
+        """``(tr A / dim A, tr G / dim G)`` over real dimensions (padding excluded)."""
+        raise NotImplementedError
+
+    def damped_trace(self, a, g, damping, block_size):
+        """``tr((A + d_A I) kron (G + d_G I))``, the trace of the damped curvature the
+        inverses stand for."""
         raise NotImplementedError
 
     def precondition(self, gradient, state, block_size):
@@ -146,6 +156,12 @@ def _pre_activation_capture(layer, call, observe, inputs, *args, **kwargs):
     finally:
         object.__setattr__(layer, "activation", activation)
     return activation(observe(outputs))
+
+
+def _trace(factor):
+    """Sum of the diagonal of a factor kept as blocks ``[count, n, n]`` or as a diagonal."""
+    diagonal = factor if factor.shape.rank == 1 else tf.linalg.diag_part(factor)
+    return tf.reduce_sum(diagonal)
 
 
 def _rows(tensor, width):
@@ -195,11 +211,21 @@ class KroneckerBlock(CurvatureBlock):
         return covariance_blocks(rows, self.a_layout(block_size))
 
     def invert(self, a, g, damping, previous, block_size):
-        a_new, a_retried, a_kept = self.invert_a(a, damping, previous[0], block_size)
+        a_damping, g_damping = damping
+        a_new, a_retried, a_kept = self.invert_a(a, a_damping, previous[0], block_size)
         g_layout = self.g_layout(block_size)
-        g_new, g_retried, g_kept = robust_inverse(g + g_layout.padding_diagonal(), damping,
+        g_new, g_retried, g_kept = robust_inverse(g + g_layout.padding_diagonal(), g_damping,
                                                   previous[1])
         return (a_new, g_new), a_retried + g_retried, a_kept + g_kept
+
+    def mean_eigenvalues(self, a, g, block_size):
+        # Statistics are zero on padded positions (the 1s are added when inverting).
+        return (_trace(a) / self.a_layout(block_size).dim,
+                _trace(g) / self.g_layout(block_size).dim)
+
+    def damped_trace(self, a, g, damping, block_size):
+        a_dim, g_dim = self.a_layout(block_size).dim, self.g_layout(block_size).dim
+        return (_trace(a) + damping[0] * a_dim) * (_trace(g) + damping[1] * g_dim)
 
     def invert_a(self, a, damping, previous, block_size):
         layout = self.a_layout(block_size)
@@ -422,6 +448,12 @@ class DepthwiseConv2D(KroneckerBlock):
         a = tf.einsum("rac,rbc->cab", patches, patches)
         g = tf.einsum("rca,rcb->cab", delta, delta)
         return a, g, tf.cast(tf.shape(delta)[0], tf.float32)
+
+    def damped_trace(self, a, g, damping, block_size):
+        # Block-diagonal over channels: the sum of each channel's Kronecker trace.
+        a_traces = tf.linalg.trace(a) + damping[0] * self.a_dim
+        g_traces = tf.linalg.trace(g) + damping[1] * self.g_dim
+        return tf.reduce_sum(a_traces * g_traces)
 
     def precondition(self, gradient, state, block_size):
         per_channel = tf.transpose(

@@ -399,16 +399,15 @@ class THOR(MindSporeOptimizer):
     def fisher_output_distribution(self):
         """The output distribution of the sampled Fisher: from :meth:`set_fisher_loss`, or
         the connected model's compiled loss."""
-        if self._fisher_loss is None:
-            model = self._connection.model()
-            loss = getattr(model, "loss", None)
-            if loss is None:
-                raise ValueError(
-                    f"For '{_OWNER}', fisher='sampled' needs the model's loss to know its "
-                    f"output distribution: compile the model with it, or call "
-                    f"optimizer.set_fisher_loss(loss) before a custom training loop.")
-            self._fisher_loss = output_distribution(loss)
-        return self._fisher_loss
+        if self._fisher_loss is not None:
+            return self._fisher_loss
+        loss = getattr(self._connection.model(), "loss", None)
+        if loss is None:
+            raise ValueError(
+                f"For '{_OWNER}', fisher='sampled' needs the model's loss to know its "
+                f"output distribution: compile the model with it, or call "
+                f"optimizer.set_fisher_loss(loss) before a custom training loop.")
+        return output_distribution(loss)
 
     def report(self):
         """A :class:`tf_msopt.thor.ThorReport`: every trainable variable's rule and why."""

@@ -13,6 +13,7 @@ from tf_msopt.optimizers.base import (MindSporeOptimizer, check_filter, make_var
                                       resolve_learning_rate, serialize_filter)
 from tf_msopt.thor import curvature_blocks
 from tf_msopt.thor.capture import LayerStatistics, ReportRow, install, install_model, survey
+from tf_msopt.thor.blocks import robust_inverses
 from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.report import ThorReport
 from tf_msopt.thor.sampled_fisher import SampledFisher, output_distribution
@@ -552,37 +553,47 @@ class THOR(MindSporeOptimizer):
                 reduced = _sum_over_replicas(
                     distribution, [value for index in bucket for value in local[index]],
                     self.a_inverses[bucket[0]])
-                for offset, index in enumerate(bucket):
-                    a, g, rows = reduced[3 * offset:3 * offset + 3]
-                    _on_each_device(distribution, self.a_inverses[index], self._refresh_layer,
-                                    (index, a, g, rows, damping, g_scale))
+                statistics = [reduced[3 * offset:3 * offset + 3]
+                              for offset in range(len(bucket))]
+                _on_each_device(distribution, self.a_inverses[bucket[0]], self._refresh_bucket,
+                                (bucket, statistics, damping, g_scale))
             return tf.constant(True)
 
         tf.cond(self._is_statistics_step(), refresh, lambda: tf.constant(False))
 
-    def _refresh_layer(self, _, index, a, g, rows, damping, g_scale):
-        """One layer on one device, from statistics summed over replicas: the moving
-        average (with ``statistics_decay``), then new inverses on inverse steps."""
-        observed = rows > 0
-        rows = tf.maximum(rows, 1.0)
-        a, g = a / rows, g / rows * g_scale
+    def _refresh_bucket(self, _, bucket, statistics, damping, g_scale):
+        """One bucket's layers on one device, from statistics summed over replicas: the
+        moving averages (with ``statistics_decay``), then new inverses on inverse steps."""
+        layers = []
+        for index, (a, g, rows) in zip(bucket, statistics):
+            observed = rows > 0
+            rows = tf.maximum(rows, 1.0)
+            a, g = a / rows, g / rows * g_scale
+            if self.statistics_decay is not None:
+                a, g, observed = self._average(index, a, g, observed)
+            layers.append((index, a, g, observed))
         if self.statistics_decay is None:   # statistics steps are inverse steps
-            return self._invert_layer(index, a, g, observed, damping)
+            return self._invert_layers(layers, damping)
+        return tf.cond(self._is_inverse_step(), lambda: self._invert_layers(layers, damping),
+                       lambda: tf.constant(False))
+
+    def _average(self, index, a, g, observed):
+        """Updates one layer's moving averages; returns them bias-corrected, and whether
+        there is anything averaged yet."""
         beta = self.statistics_decay
-        a_average, g_average = self.a_averages[index], self.g_averages[index]
         count = self.statistics_counts[index]
         # A step whose statistics are not finite leaves the averages alone.
         update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
             tf.math.is_finite(g))
-        for average, value in ((a_average, a), (g_average, g)):
+        averages = []
+        for average, value in ((self.a_averages[index], a), (self.g_averages[index], g)):
             self.assign(average, tf.where(update, beta * average + (1.0 - beta) * value,
                                           average))
+            averages.append(tf.convert_to_tensor(average))
         self.assign_add(count, tf.cast(update, tf.float32))
+        count = tf.convert_to_tensor(count)
         correction = 1.0 - tf.pow(tf.constant(beta), tf.maximum(count, 1.0))
-        tf.cond(self._is_inverse_step(),
-                lambda: self._invert_layer(index, a_average / correction,
-                                           g_average / correction, count > 0, damping),
-                lambda: tf.constant(False))
+        return averages[0] / correction, averages[1] / correction, count > 0
 
     def _layer_damping(self, block, a, g, damping):
         """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or split by the factors' traces."""
@@ -593,32 +604,44 @@ class THOR(MindSporeOptimizer):
         pi = tf.where((pi > 0) & tf.math.is_finite(pi), pi, 1.0)
         return damping * pi, damping / pi
 
-    def _invert_layer(self, index, a, g, observed, damping):
-        """New inverses of one layer from its mean (or averaged) statistics, where
-        ``observed`` and the trace rule (if any) say so."""
-        block = self._factored_blocks[index]
-        layer_damping = self._layer_damping(block, a, g, damping)
-        if self.trace_thresholds is not None:
-            observed &= self._trace_rule(index, block.damped_trace(a, g, layer_damping,
-                                                                   self.block_size), observed)
-        a_inverse, g_inverse = self.a_inverses[index], self.g_inverses[index]
-
-        def invert():
-            a_previous, g_previous = (tf.convert_to_tensor(a_inverse),
-                                      tf.convert_to_tensor(g_inverse))
-            (a_new, g_new), retried, kept = block.invert(
-                a, g, layer_damping, (a_previous, g_previous), self.block_size)
-            self.assign(a_inverse, tf.where(observed, a_new, a_previous))
-            self.assign(g_inverse, tf.where(observed, g_new, g_previous))
-            zero = tf.zeros((), tf.int64)
-            self.assign_add(self.damping_retries, tf.where(observed, retried, zero))
-            self.assign_add(self.failed_inverses, tf.where(observed, kept, zero))
-            return tf.constant(True)
-
+    def _invert_layers(self, layers, damping):
+        """New inverses for ``layers`` (``(index, a, g, observed)``), where ``observed`` and
+        the trace rule (if any) say so."""
+        layers = [(index, a, g, observed,
+                   self._layer_damping(self._factored_blocks[index], a, g, damping))
+                  for index, a, g, observed in layers]
         if self.trace_thresholds is None:
-            return invert()
-        # The rule exists to save the inversion: skip it, not only its result.
-        return tf.cond(observed, invert, lambda: tf.constant(False))
+            self._assign_inverses(layers)
+            return tf.constant(True)
+        for index, a, g, observed, layer_damping in layers:
+            block = self._factored_blocks[index]
+            refresh = self._trace_rule(
+                index, block.damped_trace(a, g, layer_damping, self.block_size), observed)
+            layer = (index, a, g, refresh, layer_damping)
+            # The rule exists to save the inversion: skip it, not only its result.
+            tf.cond(refresh, lambda layer=layer: self._assign_inverses([layer]),
+                    lambda: tf.constant(False))
+        return tf.constant(True)
+
+    def _assign_inverses(self, layers):
+        """Inverts every factor of ``layers`` (blocks of one size in one call) and assigns
+        them where the layer is ``observed``."""
+        factors, previous = [], []
+        for index, a, g, observed, layer_damping in layers:
+            old = (tf.convert_to_tensor(self.a_inverses[index]),
+                   tf.convert_to_tensor(self.g_inverses[index]))
+            previous.append(old)
+            factors += self._factored_blocks[index].inversion_factors(
+                a, g, layer_damping, old, self.block_size)
+        results = iter(robust_inverses(factors))
+        zero = tf.zeros((), tf.int64)
+        for (index, _, _, observed, _), old in zip(layers, previous):
+            (a_new, a_retried, a_kept), (g_new, g_retried, g_kept) = next(results), next(results)
+            self.assign(self.a_inverses[index], tf.where(observed, a_new, old[0]))
+            self.assign(self.g_inverses[index], tf.where(observed, g_new, old[1]))
+            self.assign_add(self.damping_retries, tf.where(observed, a_retried + g_retried, zero))
+            self.assign_add(self.failed_inverses, tf.where(observed, a_kept + g_kept, zero))
+        return tf.constant(True)
 
     def _trace_rule(self, index, trace, observed):
         """THOR's per-layer rule; returns whether to invert, counts the decision."""

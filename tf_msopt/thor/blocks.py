@@ -76,12 +76,14 @@ def right_multiply(matrix, blocks, layout):
 
 
 def _retry_damping(diagonal, damping):
-    """More damping for a second try: ten times as much, and at least a small fraction of
-    the mean finite diagonal entry (so that damping 0 on singular statistics also gets a
-    second try, whatever a non-finite block beside it holds)."""
+    """More damping for a second try, per block (the last axis of ``diagonal`` is one
+    block's diagonal): ten times as much, and at least a small fraction of the block's mean
+    finite diagonal entry (so that damping 0 on singular statistics also gets a second try,
+    whatever non-finite entry sits beside it)."""
     finite = tf.math.is_finite(diagonal)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0)),
-                                 tf.reduce_sum(tf.cast(finite, diagonal.dtype)))
+    mean = tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0), axis=-1),
+        tf.reduce_sum(tf.cast(finite, diagonal.dtype), axis=-1))
     return tf.maximum(10.0 * damping, 1e-4 * mean) + 1e-6
 
 
@@ -123,28 +125,30 @@ def robust_inverses(factors):
 
 def _robust_inverse_group(factors):
     """:func:`robust_inverse` of factors whose blocks have one size, in one call. Each
-    factor's damping is added to its own diagonal first (bit-identical to the op adding
-    it: one addition either way)."""
+    block's damping is added to its diagonal first (bit-identical to the op adding it:
+    one addition either way)."""
     from tf_msopt.ops.inverse import damped_inverse_with_status
 
-    def invert(dampings):
-        damped = [tf.linalg.set_diag(m, tf.linalg.diag_part(m) + d)
-                  for (m, _, _), d in zip(factors, dampings)]
-        return damped_inverse_with_status(
-            damped[0] if len(damped) == 1 else tf.concat(damped, axis=0), 0.0)
+    counts = [m.shape[0] for m, _, _ in factors]
+    matrices = tf.concat([m for m, _, _ in factors], axis=0) if len(factors) > 1 else factors[0][0]
+    dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
+                          for count, (_, damping, _) in zip(counts, factors)], axis=0)
+    diagonal = tf.linalg.diag_part(matrices)
 
-    inverses, ok = invert([damping for _, damping, _ in factors])
+    def invert(block_dampings):
+        damped = tf.linalg.set_diag(matrices, diagonal + block_dampings[:, None])
+        return damped_inverse_with_status(damped, 0.0)
+
+    inverses, ok = invert(dampings)
     retried = tf.logical_not(ok)
 
     def retry():
-        second, second_ok = invert([_retry_damping(tf.linalg.diag_part(m), damping)
-                                    for m, damping, _ in factors])
+        second, second_ok = invert(_retry_damping(diagonal, dampings))
         return tf.where(ok[:, None, None], inverses, second), ok | second_ok
 
     inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
     ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
-    counts = [m.shape[0] for m, _, _ in factors]
-    split = ((lambda x: [x]) if len(factors) == 1 else (lambda x: tf.split(x, counts)))
+    split = (lambda x: [x]) if len(factors) == 1 else (lambda x: tf.split(x, counts))
     return [(tf.where(good[:, None, None], inverse, previous), _count(tried),
              _count(tf.logical_not(good)))
             for inverse, good, tried, (_, _, previous)

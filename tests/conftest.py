@@ -22,7 +22,7 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 #: only tests marked ``ops_path``: these modules, and the contract cases marked in
 #: ``tests/contract``.
 _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign", "test_thor_training",
-                               "test_thor_distributed", "test_thor_saving"})
+                               "test_thor_distributed", "test_thor_saving", "test_thor_options"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -113,12 +113,15 @@ class SampledFisher:
                 with tf.GradientTape(watch_accessed_variables=False) as tape:
                     self._tape = tape
                     outputs = call(inputs, *args, **kwargs)
+                    watched, self._watched = self._watched, None
+                    # Still recording: the tape must see the sampled loss (computed in the
+                    # branch) to differentiate it; _record stops it before the gradient.
+                    if watched:
+                        tf.cond(self.is_statistics_step(),
+                                lambda: self._record(tape, watched, outputs),
+                                lambda: tf.constant(False))
             finally:
-                watched, self._watched, self._tape = self._watched, None, None
-            if watched:
-                tf.cond(self.is_statistics_step(),
-                        lambda: self._record(tape, watched, outputs),
-                        lambda: tf.constant(False))
+                self._watched, self._tape = None, None
             return outputs
         return sampled_fisher_call
 

@@ -30,8 +30,8 @@ demo: $(STAMP)
 # The suite runs twice: with the compiled ops, then with the kill switch, which
 # proves every feature works on the pure-TensorFlow path. The second pass runs only the
 # tests marked `ops_path` (code whose path differs without the custom ops and that does
-# not switch the path itself: the contract cases of the sign optimizers, AdamOffload and
-# THOR, the sign and THOR modules; see tests/conftest.py); tests marked `once` (the
+# not switch the path itself: the contract cases of the sign optimizers, LARS(SGD),
+# AdamOffload and THOR, and the sign modules; see tests/conftest.py); tests marked `once` (the
 # install, the docs build) never run there. `--dist loadgroup` keeps the contract suite's
 # shared fresh process on one worker. pytest exits 5 when it collected no test; any
 # non-zero exit fails `make test`.

@@ -1,69 +1,200 @@
-"""Epochs and wall time to a target validation accuracy: THOR vs tuned SGD-momentum and Adam.
+"""Epochs and wall time to a target validation accuracy: THOR vs SGD-momentum, Adam, kfac-jax.
 
-Every optimizer gets a grid of nine settings (learning rates; THOR learning rate x
-damping) on the same model, data, initial weights and batches, and every setting
-runs with several seeds (each seed draws its own train/validation split, initial
-weights and batch order). A run stops at the first epoch whose validation accuracy
-reaches the target. A setting is scored by its median over the seeds of the
-epochs and of the wall time to the target (a run that never reaches it counts as
-infinite), and each optimizer by its best setting. Data: scikit-learn's digits (no
-network), through the same model builders as ``tf-msopt compare``. When
-``kfac_jax`` is importable, the same model is also trained with kfac-jax
-(``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line) and
-reported beside THOR.
+Three tasks (``--task``):
 
-    python benchmarks/convergence.py [--model cnn|mlp] [--target 0.98] [--seeds 0,1,2]
-                                     [--max-epochs 25] [--batch-size 64] [--frequency F]
-                                     [--optimizers THOR,Adam]
+* ``mlp``: scikit-learn's digits, the ``tf-msopt compare`` MLP, target 0.97.
+* ``cnn``: digits, the ``tf-msopt compare`` CNN, target 0.98.
+* ``mnist1d``: MNIST-1D, generated locally by the ``mnist1d`` package's
+  ``make_dataset`` with its default arguments and seed (42; 4000 training and 1000
+  validation sequences of length 40; never its download path), a small Conv1D
+  network (:func:`make_mnist1d_model`), target 0.90 (see ``TASKS``).
 
-Prints every run, a table of the best settings, the ratios THOR / best first-order
-optimizer (target: <= 0.5x the epochs and < 1x the wall time) and one JSON line.
-Wall time includes each run's tracing, as a user of ``fit`` sees it.
+Every optimizer gets its own grid of settings (learning rates; THOR and kfac-jax:
+learning rate x damping) on the same model, data, initial weights and batches,
+and every setting runs with several seeds (a digits seed draws its own
+train/validation split; every seed draws its own initial weights and batch
+order). THOR runs in several configurations (``THOR_CONFIGS``): MindSpore's
+update (``THOR``) and the opt-in options of :class:`tf_msopt.THOR` that the docs
+recommend. A run stops at the first epoch whose validation accuracy reaches the
+target. A setting is scored by its median over the seeds of the epochs and of the
+wall time to the target (a run that never reaches it counts as infinite), and
+each optimizer by its best setting; a best setting on the edge of its grid is
+flagged (the grid should be widened). Wall time is the sum of the epochs' times
+up to the target, each timed by a Keras callback from ``on_epoch_begin`` to
+``on_epoch_end`` (validation included; the first epoch includes tracing, as a user
+of ``fit`` sees it); not around ``fit``, which can return seconds after the last
+epoch. When ``kfac_jax`` is importable, the same models are also trained with
+kfac-jax (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install
+line), timed the same way.
+
+    python benchmarks/convergence.py [--task mlp,cnn,mnist1d] [--optimizers THOR,Adam]
+                                     [--seeds 0,1,2] [--max-epochs 25] [--batch-size 64]
+                                     [--frequency F] [--save results.json]
+                                     [--plot convergence.png]
+    python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
+
+``--save`` writes every run (per seed: epochs and seconds to the target, the
+validation accuracy and time of every epoch) to a JSON file; ``--from`` reads one
+or more such files instead of training (later files replace the same optimizer's
+runs of the same task) and tabulates them. Prints every run, a table of the best
+settings per task, the ratios of each THOR configuration to the best first-order
+optimizer (target: <= 0.5x the epochs and < 1x the wall time) and to kfac-jax
+(target: <= 1x the epochs), writes a plot and prints one JSON line.
 """
 import argparse
 import json
 import math
 import os
 import platform
+import random
 import sys
+import time
 from statistics import median
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
+import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.compare import (first_reaching, load_digits_split, make_model, prepare,  # noqa: E402
-                              train_one)
+from tf_msopt.compare import first_reaching, load_digits_split, make_model, prepare  # noqa: E402
 
-DEFAULT_TARGETS = {"cnn": 0.98, "mlp": 0.97}
-FIRST_ORDER = ("SGD-momentum", "Adam")
-# Nine settings each, centred on what works on digits for that model; the best
-# setting should sit inside its grid, not on an edge.
-SGD_RATES = (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)
-ADAM_RATES = (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2)
-THOR_GRIDS = {  # (learning rates, dampings)
-    "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
-    "mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+TASKS = {  # name -> data set, target validation accuracy
+    "mlp": {"data": "digits", "target": 0.97, "title": "digits MLP"},
+    "cnn": {"data": "digits", "target": 0.98, "title": "digits CNN"},
+    "mnist1d": {"data": "mnist1d", "target": 0.90, "title": "MNIST-1D Conv1D"},
 }
+DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
+FIRST_ORDER = ("SGD-momentum", "Adam")
+MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every run
+
+# THOR configurations: keyword arguments of tf_msopt.thor on top of learning rate,
+# damping, momentum 0.9 and frequency. "THOR" is MindSpore's update; "THOR-pi" its
+# damping split by the factors' traces (damping_mode="pi"). Not run by default:
+# fisher="sampled" (in this version it leaves the kernels' gradients unpreconditioned
+# under fit: its runs equal SGD-momentum's, epoch for epoch) and kl_clip=1e-3 (binds on
+# every step of these models, so the step length no longer depends on the learning rate
+# and the MLP needed 9-11 epochs); see docs/performance.md.
+THOR_CONFIGS = {
+    "THOR": {},
+    "THOR-pi": {"damping_mode": "pi"},
+}
+EXTRA_THOR_CONFIGS = {   # --optimizers may name them
+    "THOR-sampled": {"fisher": "sampled", "statistics_decay": 0.95},
+    "THOR-klclip": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95,
+                    "kl_clip": 1e-3},
+}
+# (learning rates, dampings) per THOR configuration and task; the best setting should
+# sit inside its grid, not on an edge.
+THOR_GRIDS = {
+    "THOR": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+             "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
+             "mnist1d": ((0.02, 0.03, 0.05), (0.3, 1.0, 3.0))},
+    "THOR-pi": {"mlp": ((0.03, 0.05, 0.1), (0.3, 1.0, 3.0)),
+                "cnn": ((0.01, 0.02, 0.03), (0.05, 0.1, 0.2)),
+                "mnist1d": ((0.02, 0.03, 0.05), (0.3, 1.0, 3.0))},
+    "THOR-sampled": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+                     "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
+                     "mnist1d": ((0.03, 0.1, 0.3), (0.03, 0.1, 0.3))},
+    "THOR-klclip": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+                    "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
+                    "mnist1d": ((0.01, 0.03, 0.1), (0.03, 0.1, 0.3))},
+}
+FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
+    "SGD-momentum": {"mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "cnn": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "mnist1d": (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
+    "Adam": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "mnist1d": (3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2)},
+}
+OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax", *EXTRA_THOR_CONFIGS)
 
 
-def grids(kind, frequency):
-    """Optimizer name -> list of (setting label, factory(model))."""
-    learning_rates, dampings = THOR_GRIDS[kind]
-    return {
-        "THOR": [(f"lr={lr} damping={damping}",
-                  lambda model, lr=lr, damping=damping: mso.thor(
-                      model, learning_rate=lr, damping=damping, momentum=0.9,
-                      frequency=frequency))
-                 for lr in learning_rates for damping in dampings],
-        "SGD-momentum": [(f"lr={lr}", lambda model, lr=lr: keras.optimizers.SGD(lr, momentum=0.9))
-                         for lr in SGD_RATES],
-        "Adam": [(f"lr={lr}", lambda model, lr=lr: keras.optimizers.Adam(lr))
-                 for lr in ADAM_RATES],
-    }
+# --- data and models
 
+def load_mnist1d():
+    """MNIST-1D from ``mnist1d.data.make_dataset`` (generated here, seed 42, no download):
+    ``(x_train, x_val, y_train, y_val)``, x of shape (n, 40, 1), float32."""
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    args = get_dataset_args()
+    args.seed = MNIST1D_SEED
+    py_state, np_state = random.getstate(), np.random.get_state()
+    try:   # make_dataset seeds Python's and NumPy's global generators
+        data = make_dataset(args)
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+    return (data["x"].astype("float32")[..., None], data["x_test"].astype("float32")[..., None],
+            data["y"].astype("int32"), data["y_test"].astype("int32"))
+
+
+_MNIST1D = None
+
+
+def load_task(task, seed):
+    """``(x_train, x_val, y_train, y_val)`` of ``task`` for ``seed`` (digits: a split per
+    seed; MNIST-1D: one fixed data set)."""
+    global _MNIST1D
+    if TASKS[task]["data"] == "digits":
+        return prepare(task, load_digits_split(seed))
+    if _MNIST1D is None:
+        _MNIST1D = load_mnist1d()
+    return _MNIST1D
+
+
+def make_mnist1d_model(input_shape, classes):
+    """(40, 1) -> Conv1D(32, 5, same, relu) -> Conv1D(32, 3, stride 2, same, relu)
+    -> Conv1D(32, 3, stride 2, same, relu) -> Flatten -> Dense(64, relu) -> Dense(10)."""
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Conv1D(32, 5, padding="same", activation="relu"),
+        keras.layers.Conv1D(32, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Conv1D(32, 3, strides=2, padding="same", activation="relu"),
+        keras.layers.Flatten(),
+        keras.layers.Dense(64, activation="relu"),
+        keras.layers.Dense(classes, activation="softmax"),
+    ])
+
+
+def build_model(task, input_shape, classes):
+    if task == "mnist1d":
+        return make_mnist1d_model(input_shape, classes)
+    return make_model(task, input_shape, classes)
+
+
+# --- optimizers
+
+def thor_factory(config, lr, damping, frequency, seed):
+    kwargs = dict({**THOR_CONFIGS, **EXTRA_THOR_CONFIGS}[config])
+    if kwargs.get("fisher") == "sampled":
+        kwargs["seed"] = seed
+    return lambda model: mso.thor(model, learning_rate=lr, damping=damping, momentum=0.9,
+                                  frequency=frequency, **kwargs)
+
+
+def grids(task, frequency):
+    """Optimizer name -> list of (setting label, params, factory(seed) -> factory(model))."""
+    out = {}
+    for config in (*THOR_CONFIGS, *EXTRA_THOR_CONFIGS):
+        learning_rates, dampings = THOR_GRIDS[config][task]
+        out[config] = [(f"lr={lr} damping={damping}", {"lr": lr, "damping": damping},
+                        lambda seed, config=config, lr=lr, damping=damping:
+                        thor_factory(config, lr, damping, frequency, seed))
+                       for lr in learning_rates for damping in dampings]
+    out["SGD-momentum"] = [(f"lr={lr}", {"lr": lr},
+                            lambda seed, lr=lr: lambda model: keras.optimizers.SGD(
+                                lr, momentum=0.9))
+                           for lr in FIRST_ORDER_RATES["SGD-momentum"][task]]
+    out["Adam"] = [(f"lr={lr}", {"lr": lr},
+                    lambda seed, lr=lr: lambda model: keras.optimizers.Adam(lr))
+                   for lr in FIRST_ORDER_RATES["Adam"][task]]
+    return out
+
+
+# --- training
 
 class StopAtTarget(keras.callbacks.Callback):
     """Ends training at the first epoch whose validation accuracy reaches ``target``."""
@@ -77,66 +208,121 @@ class StopAtTarget(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
+class EpochTimer(keras.callbacks.Callback):
+    """Seconds of each epoch, from ``on_epoch_begin`` to ``on_epoch_end`` (validation and,
+    in the first epoch, tracing included)."""
+
+    def on_train_begin(self, logs=None):
+        self.epoch_seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.epoch_seconds.append(time.perf_counter() - self._start)
+
+
+def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, target):
+    """One run; returns ``{"val_accuracy": [...], "epoch_seconds": [...]}`` per epoch."""
+    x_train, x_val, y_train, y_val = data
+    keras.utils.set_random_seed(seed)
+    model = build_model(task, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
+    model.set_weights(initial_weights)
+    model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    timer = EpochTimer()   # first, so that its on_epoch_end runs before the others'
+    history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
+                        validation_data=(x_val, y_val), verbose=0,
+                        callbacks=[timer, StopAtTarget(target)])
+    return {"val_accuracy": [float(v) for v in history.history["val_accuracy"]],
+            "epoch_seconds": timer.epoch_seconds}
+
+
 def to_target(history, target):
-    """(epochs, seconds) until the validation accuracy first reaches ``target``; inf if never."""
+    """(epochs, seconds) until the validation accuracy first reaches ``target``; inf if
+    never. Seconds: the sum of ``epoch_seconds`` up to that epoch, or ``seconds[epoch]``
+    when the history has cumulative ``seconds`` instead."""
     reached = first_reaching(history["val_accuracy"], target)
     if reached is None:
         return math.inf, math.inf
+    if "epoch_seconds" in history:
+        return reached + 1, float(sum(history["epoch_seconds"][:reached + 1]))
     return reached + 1, history["seconds"][reached]
 
 
-def kfac_jax_runs(kind, target):
-    """kfac-jax's (label, train(data, initial, epochs, batch, seed)) settings, or [] when
-    kfac_jax is not importable or does not cover ``kind``."""
+def kfac_jax_runs(task, target):
+    """kfac-jax's (label, params, train(data, initial, epochs, batch, seed)) settings, or []
+    when kfac_jax is not importable or does not cover ``task``."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         import kfac_jax_baseline
     except ImportError as err:
         print(f"kfac-jax not run: {err}")
         return []
-    if kind not in kfac_jax_baseline.MODELS:
-        print(f"kfac-jax not run: kfac_jax_baseline has no {kind!r} model")
+    if task not in kfac_jax_baseline.MODELS:
+        print(f"kfac-jax not run: kfac_jax_baseline has no {task!r} model")
         return []
-    return [(label, lambda data, initial, epochs, batch, seed, kwargs=kwargs:
-             kfac_jax_baseline.train_kfac_jax(kind, data, initial, epochs, batch, seed,
+    return [(label, {"lr": kwargs["learning_rate"], "damping": kwargs["damping"]},
+             lambda data, initial, epochs, batch, seed, kwargs=kwargs:
+             kfac_jax_baseline.train_kfac_jax(task, data, initial, epochs, batch, seed,
                                               target=target, **kwargs))
-            for label, kwargs in kfac_jax_baseline.grid(kind)]
+            for label, kwargs in kfac_jax_baseline.grid(task)]
 
 
-def run(kind, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None):
-    """{optimizer: {setting: {"epochs": [...per seed], "seconds": [...]}}}."""
-    splits = {seed: prepare(kind, load_digits_split(seed)) for seed in seeds}
+def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None,
+        progress=None):
+    """``({optimizer: {setting: {"params", "epochs", "seconds", "val_accuracy",
+    "epoch_seconds"}}}, THOR's frequency)``, each list one entry per seed.
+    ``progress(results, frequency)`` is called after every setting."""
+    splits = {seed: load_task(task, seed) for seed in seeds}
     initial = {}
     for seed, data in splits.items():
         keras.utils.set_random_seed(seed)
-        initial[seed] = make_model(kind, data[0].shape[1:], 10).get_weights()
+        classes = int(max(data[2].max(), data[3].max())) + 1
+        initial[seed] = build_model(task, data[0].shape[1:], classes).get_weights()
     steps_per_epoch = -(-len(splits[seeds[0]][0]) // batch_size)
     frequency = frequency or max(2, steps_per_epoch // 2)   # THOR: new inverses twice an epoch
 
-    def keras_run(factory):
-        return lambda data, weights, epochs, batch, seed: train_one(
-            kind, factory, data, weights, epochs, batch, seed, verbose=0,
-            callbacks=[StopAtTarget(target)])
-
-    runners = {name: [(label, keras_run(factory)) for label, factory in settings]
-               for name, settings in grids(kind, frequency).items()}
-    kfac = kfac_jax_runs(kind, target)
-    if kfac:
-        runners["kfac-jax"] = kfac
-    runners = {name: r for name, r in runners.items() if not optimizers or name in optimizers}
+    runners = {}
+    for name, settings in grids(task, frequency).items():
+        runners[name] = [
+            (label, params,
+             lambda data, weights, epochs, batch, seed, make=make: train_keras(
+                 task, make(seed), data, weights, epochs, batch, seed, target))
+            for label, params, make in settings]
+    if not optimizers or "kfac-jax" in optimizers:
+        kfac = kfac_jax_runs(task, target)
+        if kfac:
+            runners["kfac-jax"] = kfac
+    runners = {name: r for name, r in runners.items()
+               if (name in optimizers if optimizers else name not in EXTRA_THOR_CONFIGS)}
     results = {}
     for name, settings in runners.items():
         results[name] = {}
-        for label, train in settings:
-            epochs, seconds = zip(*(to_target(train(splits[seed], initial[seed], max_epochs,
-                                                    batch_size, seed), target)
-                                    for seed in seeds))
-            results[name][label] = {"epochs": list(epochs), "seconds": list(seconds)}
-            print(f"{name:<14}{label:<26}epochs to {target:g} per seed: "
+        for label, params, train in settings:
+            histories = [train(splits[seed], initial[seed], max_epochs, batch_size, seed)
+                         for seed in seeds]
+            epochs, seconds = zip(*(to_target(h, target) for h in histories))
+            results[name][label] = {
+                "params": params, "epochs": list(epochs), "seconds": list(seconds),
+                "val_accuracy": [h["val_accuracy"] for h in histories],
+                "epoch_seconds": [_epoch_seconds(h) for h in histories]}
+            print(f"{task:<8}{name:<17}{label:<26}epochs to {target:g} per seed: "
                   f"{' '.join(_show(e) for e in epochs):<12} median {_show(median(epochs)):>4}"
                   f"   seconds median {median(seconds):6.2f}", flush=True)
-    return results
+            if progress:
+                progress(results, frequency)
+    return results, frequency
 
+
+def _epoch_seconds(history):
+    if "epoch_seconds" in history:
+        return [float(s) for s in history["epoch_seconds"]]
+    cumulative = history["seconds"]
+    return [float(b - a) for a, b in zip([0.0, *cumulative[:-1]], cumulative)]
+
+
+# --- scoring
 
 def best_settings(results):
     """{optimizer: (setting label, median epochs, median seconds)}: fewest epochs, then time."""
@@ -148,16 +334,44 @@ def best_settings(results):
     return best
 
 
+def edge_of_grid(settings, label):
+    """The grid axes (``"lr"``, ``"damping"``) on whose edge setting ``label`` lies: its value is
+    the smallest or largest of that axis among the settings. [] inside the grid (or when a
+    setting has no ``params``)."""
+    params = settings[label].get("params")
+    if not params:
+        return []
+    edges = []
+    for axis, value in params.items():
+        values = sorted({s["params"][axis] for s in settings.values() if "params" in s})
+        if len(values) > 1 and value in (values[0], values[-1]):
+            edges.append(axis)
+    return edges
+
+
 def ratios(best):
-    """THOR's median epochs and seconds over the best first-order optimizer's."""
+    """Per THOR configuration: its median epochs and seconds over the best first-order
+    optimizer's (fewest epochs; least seconds) and its epochs over kfac-jax's."""
     first_order = [best[name] for name in FIRST_ORDER
                    if name in best and math.isfinite(best[name][1])]
-    if "THOR" not in best or not math.isfinite(best["THOR"][1]) or not first_order:
-        return {}
-    fewest_epochs = min(b[1] for b in first_order)
-    least_time = min(b[2] for b in first_order)
-    return {"thor_epochs_vs_best_first_order": best["THOR"][1] / fewest_epochs,
-            "thor_seconds_vs_best_first_order": best["THOR"][2] / least_time}
+    out = {}
+    for name, (_, epochs, seconds) in best.items():
+        if not name.startswith("THOR") or not math.isfinite(epochs):
+            continue
+        found = {}
+        if first_order:
+            found["epochs_vs_best_first_order"] = epochs / min(b[1] for b in first_order)
+            found["seconds_vs_best_first_order"] = seconds / min(b[2] for b in first_order)
+        if "kfac-jax" in best and math.isfinite(best["kfac-jax"][1]):
+            found["epochs_vs_kfac_jax"] = epochs / best["kfac-jax"][1]
+        if found:
+            out[name] = found
+    return out
+
+
+TARGETS = (("epochs_vs_best_first_order", "<= 0.5x", lambda r: r <= 0.5),
+           ("seconds_vs_best_first_order", "< 1x", lambda r: r < 1.0),
+           ("epochs_vs_kfac_jax", "<= 1x", lambda r: r <= 1.0))
 
 
 def _show(value):
@@ -165,58 +379,230 @@ def _show(value):
 
 
 def _json_number(value):
-    return None if math.isinf(value) else round(value, 3)
+    return None if math.isinf(value) else round(value, 4)
 
 
-def main():
+def _from_json(value):
+    return math.inf if value is None else value
+
+
+# --- results files
+
+def save_results(path, tasks):
+    """Writes ``{"benchmark": "convergence", "tasks": {task: {..., "runs": ...}}}``; a run
+    that never reached the target has ``null`` epochs and seconds."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    payload = {"benchmark": "convergence", "tasks": {}}
+    for task, info in tasks.items():
+        runs = {name: {label: {**r, "epochs": [_json_number(e) for e in r["epochs"]],
+                               "seconds": [_json_number(s) for s in r["seconds"]]}
+                       for label, r in settings.items()}
+                for name, settings in info["runs"].items()}
+        payload["tasks"][task] = {**info, "runs": runs}
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def load_results(paths):
+    """Merges files written by :func:`save_results`: ``{task: info}``; a later file replaces
+    an earlier one's runs of the same optimizer and task (settings are merged)."""
+    tasks = {}
+    for path in paths:
+        with open(path) as f:
+            payload = json.load(f)
+        for task, info in payload["tasks"].items():
+            merged = tasks.setdefault(task, {**info, "runs": {}})
+            for key in ("target", "seeds", "batch_size", "max_epochs", "thor_frequency"):
+                if key in info and merged.get(key) != info[key]:
+                    if key in ("target", "batch_size"):
+                        raise ValueError(f"{path}: {task} {key} {info[key]} differs from "
+                                         f"{merged.get(key)} of an earlier file")
+            merged.setdefault("sources", []).append(os.path.basename(path))
+            for name, settings in info["runs"].items():
+                merged["runs"].setdefault(name, {}).update({
+                    label: {**r, "epochs": [_from_json(e) for e in r["epochs"]],
+                            "seconds": [_from_json(s) for s in r["seconds"]]}
+                    for label, r in settings.items()})
+    return tasks
+
+
+# --- report
+
+def report(tasks, plot=None):
+    """Prints the tables and targets of every task; returns the summary for the JSON line."""
+    summary = {}
+    for task, info in tasks.items():
+        target, results = info["target"], info["runs"]
+        order = _ordered(results)
+        best = best_settings({name: results[name] for name in order})
+        print(f"\n{TASKS.get(task, {}).get('title', task)}, target val acc {target:g}, seeds "
+              f"{info.get('seeds')}, THOR frequency {info.get('thor_frequency')}: best setting "
+              f"of each optimizer")
+        print(f"| optimizer | best setting | epochs per seed | median epochs | "
+              f"median seconds | grid |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        edges = {}
+        for name in order:
+            label, epochs, seconds = best[name]
+            r = results[name][label]
+            edge = edge_of_grid(results[name], label) if math.isfinite(epochs) else []
+            edges[name] = edge
+            where = (f"**edge** ({', '.join(edge)}) of {len(results[name])}" if edge
+                     else f"inside, {len(results[name])} settings")
+            seconds_text = "-" if math.isinf(seconds) else f"{seconds:.2f}"
+            print(f"| {name} | {label} | {', '.join(_show(e) for e in r['epochs'])} | "
+                  f"{_show(epochs)} | {seconds_text} | {where} |")
+        for name, edge in edges.items():
+            if edge:
+                print(f"WARNING {task}: {name}'s best setting {best[name][0]} is on the edge of "
+                      f"its grid ({', '.join(edge)}): widen the grid")
+        found = ratios(best)
+        for name, r in found.items():
+            parts = []
+            for key, limit, ok in TARGETS:
+                if key in r:
+                    parts.append(f"{key} {r[key]:.2f}x (target {limit}: "
+                                 f"{'meets' if ok(r[key]) else 'MISSES'})")
+            print(f"{name}: " + "; ".join(parts))
+        if not found:
+            print("every THOR configuration missed the target, or nothing to compare with")
+        summary[task] = {
+            "target": target, "seeds": info.get("seeds"),
+            "thor_frequency": info.get("thor_frequency"),
+            "best": {name: {"setting": label, "median_epochs": _json_number(epochs),
+                            "median_seconds": _json_number(seconds),
+                            "edge_of_grid": edges[name]}
+                     for name, (label, epochs, seconds) in best.items()},
+            "ratios": {name: {k: round(v, 3) for k, v in r.items()} for name, r in found.items()},
+        }
+    if plot:
+        print(f"plot saved to {plot_best(tasks, plot)}")
+    return summary
+
+
+def _ordered(results):
+    """The optimizers of ``results``: those of ``OPTIMIZERS`` in its order, then any other
+    (a configuration saved by an earlier version) in the file's."""
+    return ([name for name in OPTIMIZERS if name in results]
+            + [name for name in results if name not in OPTIMIZERS])
+
+
+def plot_best(tasks, path):
+    """Per task: epochs and seconds to the target of each optimizer's best setting (bars:
+    medians; dots: seeds; a missed target drawn at the top as x), and the validation
+    accuracy against wall time of each best setting's median-seed run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(tasks), 3, figsize=(16, 4.2 * len(tasks)), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for row, (task, info) in enumerate(tasks.items()):
+        results = info["runs"]
+        order = _ordered(results)
+        best = best_settings({name: results[name] for name in order})
+        for col, key in ((0, "epochs"), (1, "seconds")):
+            ax = axes[row, col]
+            finite = [v for name in order for v in results[name][best[name][0]][key]
+                      if math.isfinite(v)]
+            top = 1.15 * max(finite) if finite else 1.0
+            for i, name in enumerate(order):
+                label, med_epochs, med_seconds = best[name]
+                med = med_epochs if key == "epochs" else med_seconds
+                ax.bar(i, med if math.isfinite(med) else top, color=colors[i % len(colors)],
+                       alpha=0.35 if math.isfinite(med) else 0.1)
+                for v in results[name][label][key]:
+                    ax.plot(i, v if math.isfinite(v) else top, "x" if math.isinf(v) else "o",
+                            color=colors[i % len(colors)])
+            ax.set_xticks(range(len(order)), order, rotation=30, ha="right", fontsize="small")
+            ax.set(ylabel=f"{key} to target", ylim=(0, top * 1.05),
+                   title=f"{TASKS.get(task, {}).get('title', task)}: {key} to "
+                         f"{info['target']:g} (bars: median)")
+            ax.grid(axis="y", alpha=0.3)
+        ax = axes[row, 2]
+        for i, name in enumerate(order):
+            r = results[name][best[name][0]]
+            runs = sorted(zip(r["epochs"], r["seconds"], r["val_accuracy"], r["epoch_seconds"]),
+                          key=lambda t: (t[0], t[1]))
+            _, _, accuracy, epoch_seconds = runs[len(runs) // 2]
+            ax.plot(np.cumsum(epoch_seconds), accuracy, marker=".", label=name,
+                    color=colors[i % len(colors)])
+        ax.axhline(info["target"], color="gray", linestyle="--", linewidth=1)
+        ax.set(xlabel="wall time (s)", ylabel="validation accuracy",
+               ylim=(max(0.0, info["target"] - 0.25), 1.0),
+               title="median-seed run of each best setting")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _names(text, allowed, what):
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise SystemExit(f"unknown {what} {unknown}; choose from {', '.join(allowed)}")
+    return names
+
+
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(THOR_GRIDS), default="cnn")
+    parser.add_argument("--task", default=",".join(TASKS),
+                        help=f"comma-separated, from {', '.join(TASKS)} (default: all)")
+    parser.add_argument("--model", dest="task", help=argparse.SUPPRESS)   # former name
     parser.add_argument("--target", type=float, default=None,
-                        help="validation accuracy (default: cnn 0.98, mlp 0.97)")
+                        help="validation accuracy (default: " +
+                             ", ".join(f"{t} {v}" for t, v in DEFAULT_TARGETS.items()) + ")")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated")
     parser.add_argument("--max-epochs", type=int, default=25)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--frequency", type=int, default=None,
                         help="THOR's frequency (default: half the steps of an epoch)")
     parser.add_argument("--optimizers", default=None,
-                        help="comma-separated subset of THOR, SGD-momentum, Adam, kfac-jax")
-    args = parser.parse_args()
-    target = args.target or DEFAULT_TARGETS[args.model]
-    seeds = [int(s) for s in args.seeds.split(",")]
+                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)}")
+    parser.add_argument("--save", default=None, help="write every run to this JSON file")
+    parser.add_argument("--from", dest="sources", nargs="+", default=None,
+                        help="tabulate these --save files instead of training")
+    parser.add_argument("--note", default="",
+                        help="conditions of the run, kept in the --save file")
+    parser.add_argument("--plot", default="convergence.png", help="'' for no plot")
+    args = parser.parse_args(argv)
 
-    print(f"digits {args.model}, batch {args.batch_size}, target val acc {target}, seeds {seeds}, "
-          f"{os.cpu_count()} CPUs, TF {tf.__version__}, Keras {keras.__version__}")
-    results = run(args.model, target, seeds, args.max_epochs, args.batch_size, args.frequency,
-                  args.optimizers and args.optimizers.split(","))
-    best = best_settings(results)
-    print(f"\n{'best of each':<14}{'setting':<26}{'median epochs':>14}{'median s':>10}")
-    for name, (label, epochs, seconds) in best.items():
-        print(f"{name:<14}{label:<26}{_show(epochs):>14}{seconds:>10.2f}")
-    found = ratios(best)
-    if found:
-        for key, limit, ok in (
-                ("thor_epochs_vs_best_first_order", "<= 0.5x",
-                 found["thor_epochs_vs_best_first_order"] <= 0.5),
-                ("thor_seconds_vs_best_first_order", "< 1x",
-                 found["thor_seconds_vs_best_first_order"] < 1.0)):
-            print(f"target {key}: {found[key]:.2f}x (target {limit}) "
-                  f"{'meets' if ok else 'MISSES'}")
+    if args.sources:
+        tasks = load_results(args.sources)
+        wanted = _names(args.task, TASKS, "tasks")
+        tasks = {t: info for t, info in tasks.items() if t in wanted}
     else:
-        print("THOR or every first-order optimizer missed the target: no ratio")
-    print(json.dumps({
-        "benchmark": "convergence", "model": args.model, "target": target, "seeds": seeds,
-        "batch_size": args.batch_size, "max_epochs": args.max_epochs,
-        "thor_frequency": args.frequency,
-        "machine": {"cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine()},
-        "best": {name: {"setting": label, "median_epochs": _json_number(epochs),
-                        "median_seconds": _json_number(seconds)}
-                 for name, (label, epochs, seconds) in best.items()},
-        "runs": {name: {label: {k: [_json_number(v) for v in values] for k, values in r.items()}
-                        for label, r in settings.items()}
-                 for name, settings in results.items()},
-        "ratios": {k: round(v, 3) for k, v in found.items()},
-    }))
+        wanted = _names(args.task, TASKS, "tasks")
+        optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
+        seeds = [int(s) for s in args.seeds.split(",")]
+        meta = {"batch_size": args.batch_size, "max_epochs": args.max_epochs,
+                "note": args.note,
+                "machine": {"cpus": os.cpu_count(),
+                            "processor": platform.processor() or platform.machine(),
+                            "tensorflow": tf.__version__, "keras": keras.__version__}}
+        tasks = {}
+        for task in wanted:
+            target = args.target or DEFAULT_TARGETS[task]
+            print(f"{TASKS[task]['title']}, batch {args.batch_size}, target val acc {target}, "
+                  f"seeds {seeds}, {os.cpu_count()} CPUs, TF {tf.__version__}, "
+                  f"Keras {keras.__version__}", flush=True)
+
+            def progress(results, frequency, task=task, target=target):
+                tasks[task] = dict(meta, target=target, seeds=seeds, thor_frequency=frequency,
+                                   runs=results)
+                if args.save:   # after every setting: an interrupted run keeps what it did
+                    save_results(args.save, tasks)
+
+            run(task, target, seeds, args.max_epochs, args.batch_size, args.frequency,
+                optimizers, progress)
+    summary = report(tasks, args.plot or None)
+    print(json.dumps({"benchmark": "convergence", "tasks": summary}))
 
 
 if __name__ == "__main__":

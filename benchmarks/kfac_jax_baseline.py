@@ -1,9 +1,12 @@
-"""K-FAC baseline for benchmarks/convergence.py: the digits MLP and CNN trained with kfac-jax.
+"""K-FAC baseline for benchmarks/convergence.py: its three models trained with kfac-jax.
 
 Only used when ``import kfac_jax`` succeeds; nothing in ``tf_msopt`` needs JAX.
 Install beside tensorflow 2.21 / keras 3.15::
 
-    pip install "jax[cpu]==0.9.1" kfac-jax==0.0.8 "tf-keras==2.21.*"
+    pip install "jax[cpu]==0.9.1" kfac-jax==0.0.8 "tf-keras==2.21.*" mnist1d
+
+(``pip install -e ".[benchmark]"`` installs the same; ``mnist1d`` only generates
+convergence.py's MNIST-1D data.)
 
 kfac-jax 0.0.8 is the release checked (its internals move between releases);
 it fails on jax >= 0.9.2, hence jax/jaxlib 0.9.1. kfac-jax imports distrax,
@@ -12,7 +15,8 @@ minor version once tensorflow is already imported; without it ``import
 kfac_jax`` after ``import tensorflow`` raises ModuleNotFoundError.
 
 What it trains (``MODELS``): the ``mlp`` and ``cnn`` of
-``tf_msopt.compare.make_model``, written as plain JAX functions:
+``tf_msopt.compare.make_model`` and the ``mnist1d`` model of
+``convergence.make_mnist1d_model``, written as plain JAX functions:
 
 * mlp: 64 standardised features -> Dense(64, relu) -> Dense(64, relu) -> Dense(10).
 * cnn: (8, 8, 1) images -> Conv2D(16, 3, same, relu) -> Conv2D(32, 3, stride 2,
@@ -20,6 +24,14 @@ What it trains (``MODELS``): the ``mlp`` and ``cnn`` of
   ``jax.lax.conv_general_dilated`` in NHWC / HWIO layout with ``padding="SAME"``
   (for stride 2 on 8x8 both Keras and JAX pad 0 rows/columns before and 1
   after), Flatten is a row-major reshape of NHWC, as in Keras.
+* mnist1d: (40, 1) sequences -> Conv1D(32, 5, same, relu) -> Conv1D(32, 3,
+  stride 2, same, relu) -> Conv1D(32, 3, stride 2, same, relu) -> Flatten ->
+  Dense(64, relu) -> Dense(10). Each Conv1D is a Conv2D over a height-1 image:
+  input (n, 1, w, c), kernel (1, w, in, out), strides (1, s), ``padding="SAME"``
+  (for stride 2 on even lengths both pad 0 before and 1 after). The kernels are
+  reshaped to 4-D when the parameters are created, not inside the network:
+  kfac-jax's graph matcher only recognises a convolution applied to a parameter
+  as it is (reshaped inside, the convolutions were left out of its blocks).
 
 ``initial_weights`` is the Keras model's ``get_weights()`` list, (kernel, bias)
 per layer; Keras kernels are (in, out) for Dense and (h, w, in, out) = HWIO for
@@ -31,13 +43,15 @@ registered with ``kfac_jax.register_softmax_cross_entropy_loss``.
 
 Checked once (a one-off script, not part of this module): from the Keras
 models' weights (biases perturbed so that they matter), softmax of the JAX
-logits equals ``model.predict`` on 16 validation samples to 3e-8 (mlp) and 2e-8
-(cnn); a stride-2 convolution padded (1, 1) or (1, 0) instead differs by 1.5.
-kfac-jax's graph matcher registers every layer itself (its INFO log, "Graph
-parameter registrations" / "BlockDiagonalCurvature blocks", with absl logging
-at INFO): cnn -> conv2d_with_bias x2 (Conv2DTwoKroneckerFactored, kernels
+logits equals ``model.predict`` on 16 validation samples to 3e-8 (mlp), 2e-8
+(cnn) and 3e-8 (mnist1d); a stride-2 convolution padded (1, 1) or (1, 0) instead
+differs by 1.5. kfac-jax's graph matcher registers every layer itself (its INFO
+log, "Graph parameter registrations" / "BlockDiagonalCurvature blocks", with absl
+logging at INFO): cnn -> conv2d_with_bias x2 (Conv2DTwoKroneckerFactored, kernels
 (3, 3, 1, 16) and (3, 3, 16, 32)) and dense_with_bias x2
-(DenseTwoKroneckerFactored, (512, 64) and (64, 10)); mlp -> dense_with_bias x3.
+(DenseTwoKroneckerFactored, (512, 64) and (64, 10)); mlp -> dense_with_bias x3;
+mnist1d -> conv2d_with_bias x3 ((1, 5, 1, 32), (1, 3, 32, 32) x2) and
+dense_with_bias x2 ((320, 64), (64, 10)).
 No parameter is left to a generic (diagonal) block, so every layer gets
 Kronecker factors, as under THOR.
 
@@ -64,6 +78,9 @@ Each epoch visits the training set once in a fresh permutation from
 ``numpy.random.default_rng(seed)`` (the last batch may be smaller, as in Keras'
 ``fit``; its shape costs one more compilation); validation accuracy is measured
 after every epoch, and ``target`` stops training at the first epoch reaching it.
+Each epoch is timed from its start to after its validation (the first includes
+``optimizer.init`` and the JIT compilations), as convergence.py times Keras'
+epochs.
 
     from kfac_jax_baseline import MODELS, grid, train_kfac_jax   # benchmarks/ on sys.path
     for label, kwargs in grid("cnn"):
@@ -80,13 +97,16 @@ import numpy as np
 
 __all__ = ["MODELS", "grid", "train_kfac_jax"]
 
-MODELS = ("mlp", "cnn")
+MODELS = ("mlp", "cnn", "mnist1d")
 MOMENTUM = 0.9
-# Strides of the leading Conv2D layers of each model (the rest are Dense layers).
-_CONV_STRIDES = {"mlp": (), "cnn": (1, 2)}
+# Strides of the leading convolutions of each model (Conv2D for cnn, Conv1D for mnist1d)
+# and the number of Dense layers after them.
+_CONV_STRIDES = {"mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2)}
+_DENSE_LAYERS = {"mlp": 3, "cnn": 2, "mnist1d": 2}
 _GRIDS = {  # (learning rates, dampings); see grid()
     "mlp": ((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
     "cnn": ((0.02, 0.03, 0.05), (0.05, 0.1, 0.2)),
+    "mnist1d": ((0.003, 0.01, 0.03), (0.03, 0.1, 0.3)),
 }
 
 
@@ -105,6 +125,10 @@ def grid(kind):
     on this split; learning rate / damping >= 0.5 diverged. Outside the grid: lr 0.01
     (damping 0.03 or 0.1) and lr 0.03 damping 0.3 level off at 0.97, lr 0.1
     (damping 0.1 or 0.3) and lr 0.03 damping 0.03 diverge or oscillate.
+    mnist1d (target 0.90, seeds 0-2, 12 epochs at most): over lr 0.01-0.1 x damping
+    0.1-1.0 the best was lr=0.01 damping=0.1 (6 epochs, a corner); lr=0.03 damping=0.3
+    and lr=0.1 damping=1.0 took 8, the rest missed on at least two seeds. Hence the grid
+    around it (benchmarks/results/mnist1d_kfac*.json hold both).
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
@@ -116,12 +140,18 @@ def grid(kind):
 def _logits(params, x, kind):
     """The Keras model's forward pass up to (not including) the final softmax."""
     strides = _CONV_STRIDES[kind]
+    one_d = x.ndim == 3                  # (n, length, channels): Conv1D layers
+    if one_d:                            # as Conv2D over a height-1 image (see the docstring)
+        x = x[:, None]
     for (kernel, bias), stride in zip(params, strides):
-        x = jax.lax.conv_general_dilated(x, kernel, window_strides=(stride, stride),
+        if kernel.ndim == 3:
+            kernel = kernel[None]        # Keras' Conv1D kernel (w, in, out) -> HWIO
+        x = jax.lax.conv_general_dilated(x, kernel,
+                                         window_strides=(1, stride) if one_d else (stride, stride),
                                          padding="SAME",
                                          dimension_numbers=("NHWC", "HWIO", "NHWC"))
         x = jax.nn.relu(x + bias[None, None, None])
-    x = x.reshape(x.shape[0], -1)        # Keras' Flatten of NHWC: row-major (h, w, c)
+    x = x.reshape(x.shape[0], -1)        # Keras' Flatten of NHWC / NWC: row-major
     *hidden, (kernel, bias) = params[len(strides):]
     for w, b in hidden:
         x = jax.nn.relu(x @ w + b)
@@ -165,22 +195,26 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
         verbose: 1 prints one line per epoch.
 
     Returns:
-        ``{"val_accuracy": [...], "loss": [...], "seconds": [...]}``, one entry per
-        epoch run: validation accuracy, mean training loss over the epoch's
-        batches, and wall time since the start of training at the epoch's end (JIT
-        compilation included, as Keras' ``fit`` includes tracing).
+        ``{"val_accuracy": [...], "loss": [...], "epoch_seconds": [...],
+        "seconds": [...]}``, one entry per epoch run: validation accuracy, mean
+        training loss over the epoch's batches, the epoch's wall time (validation
+        included; the first epoch's includes JIT compilation, as Keras' ``fit``
+        includes tracing) and the sum of those up to the epoch.
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
     x_train, x_val, y_train, y_val = (np.asarray(a) for a in data)
     if kind == "mlp":
         x_train, x_val = x_train.reshape(len(x_train), -1), x_val.reshape(len(x_val), -1)
-    elif x_train.ndim != 4:
+    elif kind == "cnn" and x_train.ndim != 4:
         raise ValueError(f"{kind}: expected images (n, height, width, channels), "
+                         f"got x_train of shape {x_train.shape}")
+    elif kind == "mnist1d" and x_train.ndim != 3:
+        raise ValueError(f"{kind}: expected sequences (n, length, channels), "
                          f"got x_train of shape {x_train.shape}")
     x_train, x_val = x_train.astype(np.float32), x_val.astype(np.float32)
     y_train, y_val = y_train.astype(np.int32), y_val.astype(np.int32)
-    layers = len(_CONV_STRIDES[kind]) + (3 if kind == "mlp" else 2)
+    layers = len(_CONV_STRIDES[kind]) + _DENSE_LAYERS[kind]
     if len(initial_weights) != 2 * layers:
         raise ValueError(f"initial_weights: expected {2 * layers} arrays ((kernel, bias) per "
                          f"layer of the {kind}), got {len(initial_weights)}")
@@ -188,8 +222,10 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
     if inverse_update_period is None:
         inverse_update_period = max(2, steps_per_epoch // 2)
 
-    start = time.perf_counter()
-    params = tuple((jnp.asarray(w, jnp.float32), jnp.asarray(b, jnp.float32))
+    # Conv1D kernels (w, in, out) become (1, w, in, out) here, not in _logits: kfac-jax's
+    # graph matcher only recognises a convolution whose kernel is a parameter unchanged.
+    params = tuple((jnp.asarray(w[None] if w.ndim == 3 else w, jnp.float32),
+                    jnp.asarray(b, jnp.float32))
                    for w, b in zip(initial_weights[::2], initial_weights[1::2]))
     x_val_j, y_val_j = jnp.asarray(x_val), jnp.asarray(y_val)
     optimizer = kfac_jax.Optimizer(
@@ -213,8 +249,9 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
              "damping": jnp.asarray(damping, jnp.float32)}
 
     state = None
-    history = {"val_accuracy": [], "loss": [], "seconds": []}
+    history = {"val_accuracy": [], "loss": [], "epoch_seconds": [], "seconds": []}
     for epoch in range(epochs):
+        start = time.perf_counter()
         order = order_rng.permutation(len(x_train))
         loss_sum = 0.0
         for step in range(steps_per_epoch):
@@ -227,7 +264,8 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
             loss_sum += float(stats["loss"]) * len(rows)
         history["loss"].append(loss_sum / len(x_train))
         history["val_accuracy"].append(float(_accuracy(params, x_val_j, y_val_j, kind)))
-        history["seconds"].append(time.perf_counter() - start)
+        history["epoch_seconds"].append(time.perf_counter() - start)
+        history["seconds"].append(sum(history["epoch_seconds"]))
         if verbose:
             print(f"epoch {epoch + 1}: loss {history['loss'][-1]:.4f} "
                   f"val_accuracy {history['val_accuracy'][-1]:.4f} "

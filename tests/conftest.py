@@ -17,12 +17,13 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 
 
 #: Modules whose tests run code that differs without the compiled custom ops and do not
-#: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*
-#: and test_ops_loader run both paths in one pass). ``make test``'s kill-switch pass runs
-#: only tests marked ``ops_path``: these modules, and the contract cases marked in
-#: ``tests/contract``.
-_OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign", "test_thor_training",
-                               "test_thor_distributed", "test_thor_saving"})
+#: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*,
+#: test_ops_lars and test_ops_loader run both paths in one pass). ``make test``'s
+#: kill-switch pass runs only tests marked ``ops_path``: these modules, and the contract
+#: cases marked in ``tests/contract``. THOR's only compiled op is the inverse: its NumPy
+#: reference tests run both inverse back-ends in one pass and its contract case (training,
+#: resume, mirrored, XLA) runs in both passes, so its other modules run once.
+_OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})
 
 
 def pytest_collection_modifyitems(config, items):

@@ -16,6 +16,12 @@ def test_to_target_takes_the_first_epoch_reaching_it():
     assert convergence.to_target(history, 0.995) == (math.inf, math.inf)
 
 
+def test_to_target_sums_the_epoch_times_including_the_first():
+    history = {"val_accuracy": [0.9, 0.98, 0.99], "epoch_seconds": [1.5, 0.5, 0.5]}
+    assert convergence.to_target(history, 0.98) == (2, 2.0)
+    assert convergence.to_target(history, 0.9) == (1, 1.5)
+
+
 def test_best_setting_is_the_lowest_median_and_a_miss_counts_as_infinite():
     inf = math.inf
     results = {
@@ -30,6 +36,57 @@ def test_best_setting_is_the_lowest_median_and_a_miss_counts_as_infinite():
     assert best["Adam"] == ("d", 7, 2.6)
     assert best["SGD-momentum"][1] == inf
     ratios = convergence.ratios(best)   # SGD never reached the target: Adam is the reference
-    assert math.isclose(ratios["thor_epochs_vs_best_first_order"], 5 / 7)
-    assert math.isclose(ratios["thor_seconds_vs_best_first_order"], 2.8 / 2.6)
+    assert math.isclose(ratios["THOR"]["epochs_vs_best_first_order"], 5 / 7)
+    assert math.isclose(ratios["THOR"]["seconds_vs_best_first_order"], 2.8 / 2.6)
+    assert "epochs_vs_kfac_jax" not in ratios["THOR"]
     assert convergence.ratios({"THOR": ("a", inf, inf), "Adam": ("d", 7, 2.6)}) == {}
+
+
+def test_ratios_cover_every_thor_configuration_and_kfac_jax():
+    best = {"THOR": ("a", 10, 5.0), "THOR-pi": ("b", 3, 2.0), "Adam": ("c", 6, 2.5),
+            "SGD-momentum": ("d", 8, 2.2), "kfac-jax": ("e", 4, 9.0)}
+    ratios = convergence.ratios(best)
+    assert set(ratios) == {"THOR", "THOR-pi"}
+    assert math.isclose(ratios["THOR-pi"]["epochs_vs_best_first_order"], 3 / 6)
+    assert math.isclose(ratios["THOR-pi"]["seconds_vs_best_first_order"], 2.0 / 2.2)
+    assert math.isclose(ratios["THOR-pi"]["epochs_vs_kfac_jax"], 3 / 4)
+
+
+def test_edge_of_grid_names_the_axes_where_the_best_setting_is_extreme():
+    settings = {f"lr={lr} damping={d}": {"params": {"lr": lr, "damping": d}}
+                for lr in (0.01, 0.02, 0.03) for d in (0.1, 0.3, 1.0)}
+    assert convergence.edge_of_grid(settings, "lr=0.02 damping=0.3") == []
+    assert convergence.edge_of_grid(settings, "lr=0.03 damping=0.3") == ["lr"]
+    assert convergence.edge_of_grid(settings, "lr=0.01 damping=1.0") == ["lr", "damping"]
+    rates = {f"lr={lr}": {"params": {"lr": lr}} for lr in (0.1, 0.2)}
+    assert convergence.edge_of_grid(rates, "lr=0.2") == ["lr"]
+
+
+def test_every_optimizer_grid_has_a_setting_inside_it():
+    for task in convergence.TASKS:
+        for name, settings in convergence.grids(task, frequency=10).items():
+            table = {label: {"params": params} for label, params, _ in settings}
+            assert any(not convergence.edge_of_grid(table, label) for label in table), (
+                task, name)
+
+
+def test_saved_results_tabulate_again_with_misses_as_infinite(tmp_path, capsys):
+    inf = math.inf
+    runs = {"THOR": {"lr=0.1 damping=0.3": {
+                "params": {"lr": 0.1, "damping": 0.3}, "epochs": [3, inf, 4],
+                "seconds": [1.0, inf, 1.2], "val_accuracy": [[0.99], [0.5, 0.6], [0.9, 0.99]],
+                "epoch_seconds": [[1.0], [1.0, 0.5], [0.7, 0.5]]}},
+            "Adam": {"lr=0.01": {
+                "params": {"lr": 0.01}, "epochs": [8, 8, 9], "seconds": [2.0, 2.1, 2.2],
+                "val_accuracy": [[0.99]] * 3, "epoch_seconds": [[2.0]] * 3}}}
+    path = str(tmp_path / "r.json")
+    convergence.save_results(path, {"mlp": {"target": 0.97, "seeds": [0, 1, 2],
+                                            "thor_frequency": 11, "runs": runs}})
+    tasks = convergence.load_results([path])
+    assert tasks["mlp"]["runs"]["THOR"]["lr=0.1 damping=0.3"]["epochs"] == [3, inf, 4]
+    summary = convergence.report(tasks)
+    assert summary["mlp"]["best"]["THOR"]["median_epochs"] == 4
+    assert summary["mlp"]["ratios"]["THOR"]["epochs_vs_best_first_order"] == 0.5
+    out = capsys.readouterr().out
+    assert "| THOR | lr=0.1 damping=0.3 | 3, -, 4 | 4 | 1.20 | inside, 1 settings |" in out
+    assert "WARNING" not in out                  # a grid of one setting has no edge

@@ -133,17 +133,25 @@ OPTIONS = {
 @pytest.mark.parametrize("options", OPTIONS.values(), ids=OPTIONS.keys())
 @pytest.mark.parametrize("name", MODELS.keys())
 def test_matches_numpy_reference(name, options):
+    optimizer, _ = train_against_reference(name, options)
+    assert int(optimizer.failed_inverses.numpy()) == 0
+
+
+def train_against_reference(name, options, check=None):
+    """Trains model ``name`` with THOR(``options``) and its NumPy reference side by side on
+    the same batches; the weights must agree after every step. ``check(step, optimizer,
+    reference)`` runs after each step. Returns ``(optimizer, reference)``."""
     build, make_inputs, outputs = MODELS[name]
     model = build()
     network = reference_network(model)
+    options = dict(dict(frequency=FREQUENCY, block_size=4), **options)
     decay_excludes = ["bias"] if options.get("weight_decay") else None
     optimizer = mso.thor(model, np.array(LEARNING_RATES), np.array(DAMPINGS), 0.9,
-                         frequency=FREQUENCY, block_size=4, decay_filter=decay_excludes,
-                         **options)
+                         decay_filter=decay_excludes, **options)
     model.compile(optimizer=optimizer, loss="mse")
     reference = ref.ThorReference(
-        network, LEARNING_RATES.__getitem__, DAMPINGS.__getitem__, 0.9, frequency=FREQUENCY,
-        block_size=4, decay=lambda path: "bias" not in path, **options)
+        network, LEARNING_RATES.__getitem__, DAMPINGS.__getitem__, 0.9,
+        decay=lambda path: "bias" not in path, **options)
     for step, (x, y) in enumerate(batches(make_inputs, outputs)):
         model.train_on_batch(x, y)
         reference.step(x.astype(np.int64) if x.dtype.kind == "i" else x.astype(np.float64), y)
@@ -151,7 +159,71 @@ def test_matches_numpy_reference(name, options):
         for key in want:
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6,
                                        err_msg=f"{key} after step {step}")
+        if check is not None:
+            check(step, optimizer, reference)
+    return optimizer, reference
+
+
+#: THOR's opt-in options against the reference, each alone on the dense model (and the
+#: sparser statistics on the embedding's diagonal A), then all together on every layer kind
+#: with its own pi / trace formula. Across these cases the thresholds give refresh, reuse and
+#: freeze decisions (test_thor_options forces each); "kl_clip" has factors nu below and at 1.
+ALL_OPTIONS = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
+                   trace_thresholds=(0.25, 0.12))
+OPTION_CASES = {
+    "pi_damping": ("dense", dict(damping_mode="pi")),
+    "statistics_average": ("dense", dict(statistics_decay=0.8)),              # 1, 3, 5 updates
+    "sparse_statistics": ("embedding", dict(statistics_decay=0.5, statistics_frequency=2,
+                                            frequency=4)),   # inverses at 4 from steps 0, 2, 4
+    "kl_clip": ("dense", dict(kl_clip=2e-3, weight_decay=0.01, use_nesterov=True)),
+    "trace_rule": ("dense", dict(trace_thresholds=(0.25, 0.12))),
+    **{f"all_{name}": (name, ALL_OPTIONS)
+       for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
+}
+
+
+def statistics_blocks(factor, kind, block_size=4):
+    """A reference factor as THOR keeps it: diagonal blocks, zero padded (a diagonal A and
+    depthwise per-channel factors as they are)."""
+    if kind == "depthwise" or factor.ndim == 1:
+        return factor
+    layout = blocks.BlockLayout.of(len(factor), block_size)
+    padded = np.zeros((layout.count * layout.size,) * 2)
+    padded[:len(factor), :len(factor)] = factor
+    return np.stack([padded[i * layout.size:(i + 1) * layout.size,
+                            i * layout.size:(i + 1) * layout.size] for i in range(layout.count)])
+
+
+def check_option_state(step, optimizer, reference):
+    """The optimizer's option variables equal the reference's after each step."""
+    layers = reference.factored_layers()
+    if reference.kl_clip is not None:
+        np.testing.assert_allclose(optimizer.kl_factor.numpy(), reference.kl_factors[-1],
+                                   rtol=1e-5, err_msg=f"nu at step {step}")
+    if reference.statistics_decay is not None:
+        for i, layer in enumerate(layers):
+            assert optimizer.statistics_counts[i].numpy() == reference.counts[layer.name]
+            for variable, average in zip((optimizer.a_averages[i], optimizer.g_averages[i]),
+                                         reference.averages[layer.name]):
+                np.testing.assert_allclose(variable.numpy(),
+                                           statistics_blocks(average, layer.kind), rtol=1e-5,
+                                           atol=1e-6, err_msg=f"{variable.path}, step {step}")
+    if reference.trace_thresholds is not None:
+        for i, layer in enumerate(layers):
+            assert list(optimizer.trace_decisions[i].numpy()) == reference.decisions[
+                layer.name], f"{layer.name} after step {step}"
+            np.testing.assert_allclose(optimizer.traces[i].numpy(), reference.traces[layer.name],
+                                       rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", OPTION_CASES.keys())
+def test_options_match_numpy_reference(case):
+    optimizer, reference = train_against_reference(*OPTION_CASES[case], check=check_option_state)
     assert int(optimizer.failed_inverses.numpy()) == 0
+    if case == "sparse_statistics":
+        assert set(reference.counts.values()) == {3}
+    if case == "kl_clip":
+        assert min(reference.kl_factors) < 1.0 == max(reference.kl_factors)
 
 
 def test_inverse_backends_agree(monkeypatch):

@@ -246,20 +246,37 @@ class ThorReference:
     """THOR's update (DESIGN §4.5) on a :class:`Network`, one step per :meth:`step`.
 
     ``learning_rate`` and ``damping`` are functions of the step; ``decay`` is a
-    function of ``"layer/param"`` names.
+    function of ``"layer/param"`` names. The opt-in options follow the THOR class
+    docstring: ``damping_mode="pi"`` (factored Tikhonov damping), ``statistics_decay``
+    / ``statistics_frequency`` (bias-corrected moving averages of A and G),
+    ``kl_clip`` (the KL factor ``nu``) and ``trace_thresholds`` (the trace rule).
+    With none of them the computations are those of the plain THOR update.
+
+    After each step: ``kl_factors`` lists every step's ``nu`` (with ``kl_clip``),
+    ``traces[layer]`` the last damped trace, ``decisions[layer]`` the counts
+    (refreshed, reused, frozen) and ``deltas[layer]`` every relative change.
     """
 
     def __init__(self, network, learning_rate, damping, momentum, weight_decay=0.0,
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
-                 decay=lambda name: True):
+                 decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
+                 statistics_frequency=None, kl_clip=None, trace_thresholds=None):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
         self.enable_clip_grad, self.frequency, self.block_size = (enable_clip_grad, frequency,
                                                                   block_size)
         self.decay = decay
+        self.damping_mode, self.statistics_decay = damping_mode, statistics_decay
+        if statistics_frequency is None:
+            statistics_frequency = frequency if statistics_decay is None else 1
+        self.statistics_frequency = statistics_frequency
+        self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses = {}
+        self.averages, self.counts = {}, {}
+        self.traces, self.decisions, self.deltas, self.frozen = {}, {}, {}, set()
+        self.kl_factors = []
         self.iterations = 0
 
     def factors(self, layer, batch):
@@ -273,57 +290,168 @@ class ThorReference:
         rows = inputs.reshape(-1, inputs.shape[-1])
         return rows.T @ rows / rows.shape[0], g
 
+    @staticmethod
+    def depthwise_factors(layer, batch):
+        """Per channel c, stacked: ``A_c`` ``[C, kh*kw, kh*kw]``, ``G_c`` ``[C, m, m]``."""
+        patches, rows = layer.observed
+        a_factors, g_factors = [], []
+        for c in range(patches.shape[2]):
+            x, delta = patches[:, :, c], rows[:, c, :] * batch
+            a_factors.append(x.T @ x / x.shape[0])
+            g_factors.append(delta.T @ delta / delta.shape[0])
+        return np.stack(a_factors), np.stack(g_factors)
+
+    def layer_factors(self, layer, batch):
+        if layer.kind == "depthwise":
+            return self.depthwise_factors(layer, batch)
+        return self.factors(layer, batch)
+
+    @staticmethod
+    def traces_and_dims(layer, a, g):
+        """``(tr A, dim A, tr G, dim G)`` over real dimensions (depthwise: all channels)."""
+        if layer.kind == "embedding":
+            a_trace = a.sum()
+        else:
+            a_trace = np.trace(a, axis1=-2, axis2=-1).sum()
+        channels = a.shape[0] if layer.kind == "depthwise" else 1
+        g_trace = np.trace(g, axis1=-2, axis2=-1).sum()
+        return a_trace, channels * a.shape[-1], g_trace, channels * g.shape[-1]
+
+    def layer_damping(self, layer, a, g, root):
+        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or ``pi*sqrt(lambda)``, ``sqrt(lambda)/pi``."""
+        if self.damping_mode == "sqrt":
+            return root, root
+        a_trace, a_dim, g_trace, g_dim = self.traces_and_dims(layer, a, g)
+        if a_trace == 0.0 or g_trace == 0.0:
+            pi = 1.0
+        else:
+            pi = math.sqrt((a_trace / a_dim) / (g_trace / g_dim))
+        return root * pi, root / pi
+
+    @staticmethod
+    def damped_trace(layer, a, g, a_damping, g_damping):
+        """``tr((A + d_A I) kron (G + d_G I))``; depthwise: the sum over channels."""
+        if layer.kind == "depthwise":
+            a_traces = np.trace(a, axis1=1, axis2=2) + a_damping * a.shape[-1]
+            g_traces = np.trace(g, axis1=1, axis2=2) + g_damping * g.shape[-1]
+            return float(np.sum(a_traces * g_traces))
+        a_trace = a.sum() if layer.kind == "embedding" else np.trace(a)
+        return float((a_trace + a_damping * a.shape[-1]) * (np.trace(g) + g_damping * len(g)))
+
+    def trace_rule(self, layer, trace):
+        """Whether to invert: the first time, or when ``Delta > omega1``; counts it."""
+        omega1, omega2 = self.trace_thresholds
+        counts = self.decisions.setdefault(layer.name, [0, 0, 0])
+        if layer.name in self.frozen:
+            counts[2] += 1
+            return False
+        previous = self.traces.get(layer.name, 0.0)
+        self.traces[layer.name] = trace
+        if previous == 0.0:
+            counts[0] += 1
+            return True
+        change = abs(trace - previous) / previous
+        self.deltas.setdefault(layer.name, []).append(change)
+        for omega in (omega1, omega2):    # float32 and float64 must not disagree
+            if abs(change - omega) < 1e-4:
+                raise AssertionError(f"{layer.name}: Delta={change} is too close to {omega}")
+        if change > omega1:
+            counts[0] += 1
+            return True
+        if change > omega2:
+            counts[1] += 1
+        else:
+            counts[2] += 1
+            self.frozen.add(layer.name)
+        return False
+
+    def inverses_of(self, layer, a, g, a_damping, g_damping):
+        if layer.kind == "depthwise":
+            return [(np.linalg.inv(a_c + a_damping * np.eye(len(a_c))),
+                     np.linalg.inv(g_c + g_damping * np.eye(len(g_c))))
+                    for a_c, g_c in zip(a, g)]
+        a_inverse = (1.0 / (a + a_damping) if layer.kind == "embedding"
+                     else block_inverse(a, a_damping, self.block_size))
+        return a_inverse, block_inverse(g, g_damping, self.block_size)
+
+    def factored_layers(self):
+        return [layer for layer in self.network.layers
+                if layer.kind in ("dense", "conv", "embedding", "depthwise")]
+
+    def update_averages(self, batch):
+        beta = self.statistics_decay
+        for layer in self.factored_layers():
+            stats = self.layer_factors(layer, batch)
+            averages = self.averages.get(layer.name, tuple(np.zeros_like(s) for s in stats))
+            self.averages[layer.name] = tuple(beta * m + (1.0 - beta) * s
+                                              for m, s in zip(averages, stats))
+            self.counts[layer.name] = self.counts.get(layer.name, 0) + 1
+
+    def refresh_inverses(self, batch, root):
+        for layer in self.factored_layers():
+            if self.statistics_decay is None:
+                a, g = self.layer_factors(layer, batch)
+            else:
+                correction = 1.0 - self.statistics_decay ** self.counts[layer.name]
+                a, g = (m / correction for m in self.averages[layer.name])
+            a_damping, g_damping = self.layer_damping(layer, a, g, root)
+            if self.trace_thresholds is not None and not self.trace_rule(
+                    layer, self.damped_trace(layer, a, g, a_damping, g_damping)):
+                continue
+            self.inverses[layer.name] = self.inverses_of(layer, a, g, a_damping, g_damping)
+
+    def preconditioned(self, layer, key, grad, batch, root):
+        if key == "kernel" and layer.kind == "depthwise":
+            return self.depthwise_precondition(grad, *self.inverses[layer.name])
+        if key in ("kernel", "embeddings"):
+            a_inverse, g_inverse = self.inverses[layer.name]
+            matrix = grad.reshape(len(a_inverse), -1)
+            matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
+                      else a_inverse @ matrix)
+            return (matrix @ g_inverse).reshape(grad.shape)
+        if layer.kind == "layer_norm":
+            return grad / (grad * grad / batch + root)
+        return grad
+
     def step(self, x, targets):
         step = self.iterations
         self.network.gradients(x, targets)
         batch = x.shape[0]
         root = math.sqrt(self.damping(step))
+        lr = self.learning_rate(step)
+        if self.statistics_decay is not None and step % self.statistics_frequency == 0:
+            self.update_averages(batch)
         if step % self.frequency == 0:
-            for layer in self.network.layers:
-                if layer.kind == "depthwise":
-                    self.inverses[layer.name] = self.depthwise_inverses(layer, batch, root)
-                elif layer.kind in ("dense", "conv", "embedding"):
-                    a, g = self.factors(layer, batch)
-                    a_inverse = (1.0 / (a + root) if layer.kind == "embedding"
-                                 else block_inverse(a, root, self.block_size))
-                    self.inverses[layer.name] = (a_inverse, block_inverse(g, root,
-                                                                          self.block_size))
+            self.refresh_inverses(batch, root)
+        factored = self.factored_layers()
+        grads = {}
+        for layer in self.network.layers:
+            for key in layer.params:
+                grads[layer.name, key] = self.preconditioned(layer, key, layer.grads[key], batch,
+                                                             root)
+        if self.kl_clip is not None:
+            size = lr ** 2 * abs(sum(np.sum(layer.grads[key] * grads[layer.name, key])
+                                     for layer in factored for key in layer.params
+                                     if key in ("kernel", "embeddings")))
+            nu = min(1.0, math.sqrt(self.kl_clip / size)) if size > 0 else 1.0
+            self.kl_factors.append(nu)
+            for layer in factored:
+                for key in layer.params:
+                    if key in ("kernel", "embeddings"):
+                        grads[layer.name, key] = nu * grads[layer.name, key]
         for layer in self.network.layers:
             for key, weight in layer.params.items():
                 name = f"{layer.name}/{key}"
-                grad = layer.grads[key]
-                if key == "kernel" and layer.kind == "depthwise":
-                    grad = self.depthwise_precondition(grad, *self.inverses[layer.name])
-                elif key in ("kernel", "embeddings"):
-                    a_inverse, g_inverse = self.inverses[layer.name]
-                    matrix = grad.reshape(len(a_inverse), -1)
-                    matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
-                              else a_inverse @ matrix)
-                    grad = (matrix @ g_inverse).reshape(grad.shape)
-                elif layer.kind == "layer_norm":
-                    grad = grad / (grad * grad / batch + root)
+                grad = grads[layer.name, key]
                 if self.weight_decay and self.decay(name):
                     grad = grad + self.weight_decay * weight
                 if self.enable_clip_grad:
                     grad = grad / max(np.linalg.norm(grad), 1.0)
                 velocity = self.momentum * self.velocity[name] + grad
                 self.velocity[name] = velocity
-                lr = self.learning_rate(step)
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
                 layer.params[key] = weight - lr * update
         self.iterations += 1
-
-    @staticmethod
-    def depthwise_inverses(layer, batch, root):
-        """Per channel c: ``inv(A_c + root I)``, ``inv(G_c + root I)`` (whole, no blocks)."""
-        patches, rows = layer.observed
-        inverses = []
-        for c in range(patches.shape[2]):
-            x, delta = patches[:, :, c], rows[:, c, :] * batch
-            a, g = x.T @ x / x.shape[0], delta.T @ delta / delta.shape[0]
-            inverses.append((np.linalg.inv(a + root * np.eye(len(a))),
-                             np.linalg.inv(g + root * np.eye(len(g)))))
-        return inverses
 
     @staticmethod
     def depthwise_precondition(grad, *inverses):

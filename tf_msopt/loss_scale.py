@@ -22,7 +22,7 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
                                   type_name)
-from tf_msopt.optimizers.base import set_all_weights
+from tf_msopt.optimizers.base import AcceptsEmptyGradients, set_all_weights
 
 __all__ = [
     "DynamicLossScaleManager",
@@ -359,7 +359,7 @@ def _unscale(grad, inv_scale):
 
 
 @register
-class LossScaleOptimizer(compat.LossScaleOptimizer):
+class LossScaleOptimizer(AcceptsEmptyGradients, compat.LossScaleOptimizer):
     """Loss scaling with MindSpore's cells and managers, on Keras' ``LossScaleOptimizer``.
 
     Each step (``fit`` scales the loss with :meth:`scale_loss`; a custom loop
@@ -481,12 +481,6 @@ class LossScaleOptimizer(compat.LossScaleOptimizer):
     def exclude_from_weight_decay(self, var_list=None, var_names=None):
         """Excludes variables from the inner optimizer's weight decay (it has the decay)."""
         self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
-
-    def apply_gradients(self, grads_and_vars):
-        grads_and_vars = list(grads_and_vars)
-        if not grads_and_vars:   # Keras' version fails to unpack an empty list
-            return self.iterations
-        return super().apply_gradients(grads_and_vars)
 
     def build(self, var_list):
         if self.built:

@@ -209,7 +209,18 @@ def serialize_filter(spec, arg, owner):
     return keras.saving.serialize_keras_object(spec)
 
 
-class MindSporeOptimizer(compat.Optimizer):
+class AcceptsEmptyGradients:
+    """Mixin: ``apply_gradients([])`` is a no-op, as Keras' optimizer tests expect (Keras'
+    own version fails to unpack an empty list)."""
+
+    def apply_gradients(self, grads_and_vars):
+        grads_and_vars = list(grads_and_vars)
+        if not grads_and_vars:
+            return self.iterations
+        return super().apply_gradients(grads_and_vars)
+
+
+class MindSporeOptimizer(AcceptsEmptyGradients, compat.Optimizer):
     """Base of the package's optimizers.
 
     Subclasses implement :meth:`_update` (the per-variable math, writing through
@@ -259,12 +270,6 @@ class MindSporeOptimizer(compat.Optimizer):
         self._decay_exclusion_ids = frozenset(
             id(x) for v in var_list or () for x in (v, _tf_variable(v)))
         self._decay_exclusion_patterns = tuple(var_names or ())
-
-    def apply_gradients(self, grads_and_vars):
-        grads_and_vars = list(grads_and_vars)
-        if not grads_and_vars:   # Keras' version fails to unpack an empty list
-            return self.iterations
-        return super().apply_gradients(grads_and_vars)
 
     def excluded_from_weight_decay(self, variable):
         """True when :meth:`exclude_from_weight_decay` excluded ``variable``."""

@@ -11,8 +11,8 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
-__all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "left_multiply",
-           "right_multiply", "robust_reciprocal"]
+__all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "robust_inverses",
+           "left_multiply", "right_multiply", "robust_reciprocal"]
 
 
 class BlockLayout(NamedTuple):
@@ -76,12 +76,14 @@ def right_multiply(matrix, blocks, layout):
 
 
 def _retry_damping(diagonal, damping):
-    """More damping for a second try: ten times as much, and at least a small fraction of
-    the mean finite diagonal entry (so that damping 0 on singular statistics also gets a
-    second try, whatever a non-finite block beside it holds)."""
+    """More damping for a second try, per block (the last axis of ``diagonal`` is one
+    block's diagonal): ten times as much, and at least a small fraction of the block's mean
+    finite diagonal entry (so that damping 0 on singular statistics also gets a second try,
+    whatever non-finite entry sits beside it)."""
     finite = tf.math.is_finite(diagonal)
-    mean = tf.math.divide_no_nan(tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0)),
-                                 tf.reduce_sum(tf.cast(finite, diagonal.dtype)))
+    mean = tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0), axis=-1),
+        tf.reduce_sum(tf.cast(finite, diagonal.dtype), axis=-1))
     return tf.maximum(10.0 * damping, 1e-4 * mean) + 1e-6
 
 
@@ -96,20 +98,61 @@ def robust_inverse(matrices, damping, previous):
         ``(inverses, retried, kept)``: the blocks, and how many blocks needed a
         retry and how many kept their previous value (int64 scalars).
     """
+    return _robust_inverse_group([(matrices, damping, previous)])[0]
+
+
+def robust_inverses(factors):
+    """:func:`robust_inverse` (blocks ``[count, n, n]``) or :func:`robust_reciprocal`
+    (diagonals ``[n]``) of several factors ``[(statistics, damping, previous)]`` at once:
+    the blocks of every factor of one size go to one inversion call, with one retry branch.
+
+    Returns:
+        ``[(inverse, retried, kept)]``, one per factor.
+    """
+    results = [None] * len(factors)
+    sizes = {}
+    for i, (statistics, damping, previous) in enumerate(factors):
+        if statistics.shape.rank == 1:
+            results[i] = robust_reciprocal(statistics, damping, previous)
+        else:
+            sizes.setdefault(statistics.shape[-1], []).append(i)
+    for indices in sizes.values():
+        group = _robust_inverse_group([factors[i] for i in indices])
+        for i, result in zip(indices, group):
+            results[i] = result
+    return results
+
+
+def _robust_inverse_group(factors):
+    """:func:`robust_inverse` of factors whose blocks have one size, in one call. Each
+    block's damping is added to its diagonal first (bit-identical to the op adding it:
+    one addition either way)."""
     from tf_msopt.ops.inverse import damped_inverse_with_status
 
-    inverses, ok = damped_inverse_with_status(matrices, damping)
+    counts = [m.shape[0] for m, _, _ in factors]
+    matrices = tf.concat([m for m, _, _ in factors], axis=0) if len(factors) > 1 else factors[0][0]
+    dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
+                          for count, (_, damping, _) in zip(counts, factors)], axis=0)
+    diagonal = tf.linalg.diag_part(matrices)
+
+    def invert(block_dampings):
+        damped = tf.linalg.set_diag(matrices, diagonal + block_dampings[:, None])
+        return damped_inverse_with_status(damped, 0.0)
+
+    inverses, ok = invert(dampings)
     retried = tf.logical_not(ok)
 
     def retry():
-        more_damping = _retry_damping(tf.linalg.diag_part(matrices), damping)
-        second, second_ok = damped_inverse_with_status(matrices, more_damping)
+        second, second_ok = invert(_retry_damping(diagonal, dampings))
         return tf.where(ok[:, None, None], inverses, second), ok | second_ok
 
     inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
     ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
-    inverses = tf.where(ok[:, None, None], inverses, previous)
-    return inverses, _count(retried), _count(tf.logical_not(ok))
+    split = (lambda x: [x]) if len(factors) == 1 else (lambda x: tf.split(x, counts))
+    return [(tf.where(good[:, None, None], inverse, previous), _count(tried),
+             _count(tf.logical_not(good)))
+            for inverse, good, tried, (_, _, previous)
+            in zip(split(inverses), split(ok), split(retried), factors)]
 
 
 def robust_reciprocal(diagonal, damping, previous):

@@ -10,7 +10,9 @@ through an identity whose gradient function records, on THOR steps only, the
 block's statistics of that call (sums over rows) and the row count.
 
 Everything is recorded in the backward pass, so ``predict`` and ``evaluate``
-record nothing, and a stale step costs one ``tf.cond`` per layer.
+record nothing, and a stale step costs one ``tf.cond`` per layer. With the sampled
+Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs and
+outputs to the model-level capture, which records after the forward pass.
 """
 import dataclasses
 
@@ -114,15 +116,21 @@ def _observe(output, record):
 class _Capture:
     """The patched ``call`` of one layer."""
 
-    def __init__(self, layer, block, original, statistics, batch, is_thor_step, block_size):
+    def __init__(self, layer, block, original, statistics, batch, is_statistics_step,
+                 block_size, sampled):
         self.layer, self.block, self.original = layer, block, original
         self.statistics, self.batch = statistics, batch
-        self.is_thor_step, self.block_size = is_thor_step, block_size
+        self.is_statistics_step, self.block_size = is_statistics_step, block_size
+        self.sampled = sampled
 
     def __call__(self, inputs, *args, **kwargs):
         if self.statistics is None:       # no factors: only the global batch is needed
             def observe(outputs):
                 return _observe(outputs, lambda d: self.batch.assign(_global_batch(d)))
+        elif self.sampled is not None:
+            def observe(outputs):
+                return self.sampled.observe(self.layer, self.block, self.statistics, inputs,
+                                            outputs)
         else:
             def observe(outputs):
                 return _observe(outputs, lambda d: self._record(inputs, d))
@@ -137,12 +145,24 @@ class _Capture:
                                           self.statistics.rows.assign(rows)]):
                 return tf.constant(True)
 
-        return tf.cond(self.is_thor_step(), write, lambda: tf.constant(False))
+        return tf.cond(self.is_statistics_step(), write, lambda: tf.constant(False))
 
 
-def install(layer, block, statistics, batch, is_thor_step, block_size):
-    """Patches ``layer.call`` to capture ``block``'s statistics (replacing an earlier patch)."""
+def _patch_call(layer, make_call):
+    """Replaces ``layer.call`` by ``make_call(original call)`` (undoing an earlier patch)."""
     original = layer.__dict__.get(_ORIGINAL_CALL, layer.call)
-    capture = _Capture(layer, block, original, statistics, batch, is_thor_step, block_size)
     object.__setattr__(layer, _ORIGINAL_CALL, original)
-    object.__setattr__(layer, "call", capture)
+    object.__setattr__(layer, "call", make_call(original))
+
+
+def install(layer, block, statistics, batch, is_statistics_step, block_size, sampled=None):
+    """Patches ``layer.call`` to capture ``block``'s statistics (replacing an earlier patch);
+    with ``sampled`` (a :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer
+    hands its statistics' inputs to it instead of recording them itself."""
+    _patch_call(layer, lambda original: _Capture(layer, block, original, statistics, batch,
+                                                 is_statistics_step, block_size, sampled))
+
+
+def install_model(model, sampled):
+    """Patches ``model.call`` for the sampled Fisher; ``sampled=None`` removes the patch."""
+    _patch_call(model, lambda original: original if sampled is None else sampled.wrap(original))

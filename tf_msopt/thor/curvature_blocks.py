@@ -23,7 +23,7 @@ import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.blocks import (BlockLayout, covariance_blocks, left_multiply, right_multiply,
-                                  robust_inverse, robust_reciprocal)
+                                  robust_inverses)
 
 __all__ = ["Conv", "CurvatureBlock", "Dense", "DepthwiseConv2D", "EinsumDense", "Embedding",
            "KroneckerBlock", "LayerNorm", "Preconditioning", "block_for", "from_config",
@@ -125,9 +125,27 @@ class CurvatureBlock:
         """``(a, g, rows)`` of one call: sums over rows."""
         raise NotImplementedError
 
+    def inversion_factors(self, a, g, damping, previous, block_size):
+        """``[(statistics, damping, previous)]`` of the factors to invert, from mean
+        statistics ``(a, g)``, ``damping = (d_A, d_G)`` and the ``previous`` inverses
+        (for :func:`tf_msopt.thor.blocks.robust_inverses`: several layers' factors are
+        inverted together)."""
+        raise NotImplementedError
+
     def invert(self, a, g, damping, previous, block_size):
-        """New ``(a_inverse, g_inverse)`` from mean statistics, and the counts of blocks that
+        """New ``(a_inverse, g_inverse)`` of this layer alone, and the counts of blocks that
         were retried and that kept their ``previous`` inverse."""
+        results = robust_inverses(self.inversion_factors(a, g, damping, previous, block_size))
+        inverses, retried, kept = zip(*results)
+        return inverses, tf.add_n(retried), tf.add_n(kept)
+
+    def mean_eigenvalues(self, a, g, block_size):
+        """``(tr A / dim A, tr G / dim G)`` over real dimensions (padding excluded)."""
+        raise NotImplementedError
+
+    def damped_trace(self, a, g, damping, block_size):
+        """``tr((A + d_A I) kron (G + d_G I))``, the trace of the damped curvature the
+        inverses stand for."""
         raise NotImplementedError
 
     def precondition(self, gradient, state, block_size):
@@ -146,6 +164,12 @@ def _pre_activation_capture(layer, call, observe, inputs, *args, **kwargs):
     finally:
         object.__setattr__(layer, "activation", activation)
     return activation(observe(outputs))
+
+
+def _trace(factor):
+    """Sum of the diagonal of a factor kept as blocks ``[count, n, n]`` or as a diagonal."""
+    diagonal = factor if factor.shape.rank == 1 else tf.linalg.diag_part(factor)
+    return tf.reduce_sum(diagonal)
 
 
 def _rows(tensor, width):
@@ -194,16 +218,21 @@ class KroneckerBlock(CurvatureBlock):
     def input_statistics(self, rows, block_size):
         return covariance_blocks(rows, self.a_layout(block_size))
 
-    def invert(self, a, g, damping, previous, block_size):
-        a_new, a_retried, a_kept = self.invert_a(a, damping, previous[0], block_size)
-        g_layout = self.g_layout(block_size)
-        g_new, g_retried, g_kept = robust_inverse(g + g_layout.padding_diagonal(), damping,
-                                                  previous[1])
-        return (a_new, g_new), a_retried + g_retried, a_kept + g_kept
+    def inversion_factors(self, a, g, damping, previous, block_size):
+        return [(self.padded_a(a, block_size), damping[0], previous[0]),
+                (g + self.g_layout(block_size).padding_diagonal(), damping[1], previous[1])]
 
-    def invert_a(self, a, damping, previous, block_size):
-        layout = self.a_layout(block_size)
-        return robust_inverse(a + layout.padding_diagonal(), damping, previous)
+    def padded_a(self, a, block_size):
+        return a + self.a_layout(block_size).padding_diagonal()
+
+    def mean_eigenvalues(self, a, g, block_size):
+        # Statistics are zero on padded positions (the 1s are added when inverting).
+        return (_trace(a) / self.a_layout(block_size).dim,
+                _trace(g) / self.g_layout(block_size).dim)
+
+    def damped_trace(self, a, g, damping, block_size):
+        a_dim, g_dim = self.a_layout(block_size).dim, self.g_layout(block_size).dim
+        return (_trace(a) + damping[0] * a_dim) * (_trace(g) + damping[1] * g_dim)
 
     def kernel_matrix(self, gradient):
         return tf.reshape(gradient, [self.a_dim, self.g_dim])
@@ -423,6 +452,12 @@ class DepthwiseConv2D(KroneckerBlock):
         g = tf.einsum("rca,rcb->cab", delta, delta)
         return a, g, tf.cast(tf.shape(delta)[0], tf.float32)
 
+    def damped_trace(self, a, g, damping, block_size):
+        # Block-diagonal over channels: the sum of each channel's Kronecker trace.
+        a_traces = tf.linalg.trace(a) + damping[0] * self.a_dim
+        g_traces = tf.linalg.trace(g) + damping[1] * self.g_dim
+        return tf.reduce_sum(a_traces * g_traces)
+
     def precondition(self, gradient, state, block_size):
         per_channel = tf.transpose(
             tf.reshape(gradient, [self.a_dim, self.channels, self.g_dim]), [1, 0, 2])
@@ -461,8 +496,8 @@ class Embedding(KroneckerBlock):
         g = covariance_blocks(delta_rows, self.g_layout(block_size))
         return a, g, tf.cast(tf.shape(delta_rows)[0], tf.float32)
 
-    def invert_a(self, a, damping, previous, block_size):
-        return robust_reciprocal(a, damping, previous)
+    def padded_a(self, a, block_size):
+        return a     # the diagonal: inverted elementwise
 
     def left_precondition(self, matrix, a_inverse, block_size):
         return a_inverse[:, tf.newaxis] * matrix

@@ -1,5 +1,6 @@
 """THOR: trace-based hardware-driven layer-oriented natural gradient (Chen et al. 2021)."""
 import dataclasses
+import random
 import weakref
 
 import keras
@@ -11,9 +12,11 @@ from tf_msopt._validation import check_bool, check_float, check_int, check_numbe
 from tf_msopt.optimizers.base import (MindSporeOptimizer, check_filter, make_variable_filter,
                                       resolve_learning_rate, serialize_filter)
 from tf_msopt.thor import curvature_blocks
-from tf_msopt.thor.capture import LayerStatistics, ReportRow, install, survey
+from tf_msopt.thor.capture import LayerStatistics, ReportRow, install, install_model, survey
+from tf_msopt.thor.blocks import robust_inverses
 from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.report import ThorReport
+from tf_msopt.thor.sampled_fisher import SampledFisher, output_distribution
 
 __all__ = ["THOR", "connect", "thor"]
 
@@ -36,6 +39,55 @@ def _check_split_indices(split_indices):
             f"preconditioned layers, but got {list(split_indices)}."
         )
     return list(split_indices)
+
+
+_DAMPING_MODES = ("sqrt", "pi")
+_FISHERS = ("empirical", "sampled")
+
+
+def _check_choice(value, arg, choices):
+    if value not in choices:
+        raise ValueError(f"For '{_OWNER}', the '{arg}' must be one of {list(choices)}, "
+                         f"but got {value!r}.")
+    return value
+
+
+def _check_statistics(decay, statistics_frequency, frequency):
+    """``(decay, statistics_frequency)``: the frequency defaults to 1 with a decay and to
+    ``frequency`` without one, and must divide ``frequency``."""
+    if decay is not None:
+        decay = check_number_range(check_float(decay, "statistics_decay", _OWNER),
+                                   "statistics_decay", _OWNER, low=0.0, high=1.0,
+                                   high_inclusive=False)
+    if statistics_frequency is None:
+        return decay, 1 if decay is not None else frequency
+    statistics_frequency = check_int(statistics_frequency, "statistics_frequency", _OWNER,
+                                     min_value=1)
+    if decay is None and statistics_frequency != frequency:
+        raise ValueError(
+            f"For '{_OWNER}', 'statistics_frequency' needs 'statistics_decay' (without a moving "
+            f"average, statistics are only used every 'frequency' steps), but got "
+            f"statistics_frequency={statistics_frequency} and statistics_decay=None.")
+    if frequency % statistics_frequency:
+        raise ValueError(
+            f"For '{_OWNER}', the 'statistics_frequency' must divide 'frequency' "
+            f"({frequency}), but got {statistics_frequency}.")
+    return decay, statistics_frequency
+
+
+def _check_trace_thresholds(thresholds):
+    if thresholds is None:
+        return None
+    if (not isinstance(thresholds, (list, tuple)) or len(thresholds) != 2
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                       for t in thresholds)):
+        raise TypeError(f"For '{_OWNER}', the 'trace_thresholds' must be None or a pair of "
+                        f"floats (omega1, omega2), but got {thresholds!r}.")
+    omega1, omega2 = map(float, thresholds)
+    if not 0.0 <= omega2 <= omega1:
+        raise ValueError(f"For '{_OWNER}', the 'trace_thresholds' (omega1, omega2) must satisfy "
+                         f"0 <= omega2 <= omega1, but got {thresholds!r}.")
+    return omega1, omega2
 
 
 def _check_block_size(block_size):
@@ -136,8 +188,36 @@ class THOR(MindSporeOptimizer):
         block_size: int or None (one block per factor); default 128.
         layers: the curvature blocks' configs (set by :func:`tf_msopt.thor`; kept in
             the config).
+        damping_mode: ``"sqrt"`` (MindSpore: ``sqrt(lambda)`` on both factors) or
+            ``"pi"``: ``A + pi*sqrt(lambda) I`` and ``G + sqrt(lambda)/pi I`` with
+            ``pi = sqrt((tr A/dim A) / (tr G/dim G))`` (1 when a trace is 0).
+        statistics_decay: None (MindSpore: each inversion uses the statistics of
+            its own step) or ``beta`` in [0, 1): ``A`` and ``G`` become moving
+            averages ``m = beta*m + (1-beta)*stat``, bias-corrected by
+            ``1 - beta**n`` (``n`` updates), kept as optimizer variables.
+        statistics_frequency: steps between statistics captures (default 1 with a
+            decay, else ``frequency``); must divide ``frequency``. Inverses are
+            still recomputed every ``frequency`` steps.
+        fisher: ``"empirical"`` (MindSpore: ``G`` from the training loss) or
+            ``"sampled"``: ``G`` from the gradient of ``-log p(y_hat|x)`` with
+            ``y_hat`` drawn from the model's output distribution (its compiled
+            softmax/sigmoid cross-entropy loss, or :meth:`set_fisher_loss`).
+        kl_clip: None or ``c > 0``: the preconditioned kernels' gradients are scaled
+            by ``nu = min(1, sqrt(c / (lr^2 |sum <g, P g>|)))`` before weight decay
+            and momentum.
+        trace_thresholds: None or ``(omega1, omega2)``: on each inversion a layer's
+            ``Delta = |T_k - T_prev| / T_prev`` (``T`` the trace of its damped
+            Kronecker curvature) decides: above ``omega1`` new inverses, above
+            ``omega2`` keep the previous ones, else keep them from then on (frozen).
+            The decisions are counted in ``trace_decisions`` and shown by
+            :meth:`report`.
+        seed: int seed of the sampled labels (``fisher="sampled"``); None draws one
+            (kept in the config, so a resumed run samples as the original would).
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
+
+    With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``
+    and ``trace_thresholds`` changed, the update is MindSpore's exactly.
 
     Reference:
         Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented
@@ -146,7 +226,9 @@ class THOR(MindSporeOptimizer):
 
     def __init__(self, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
                  batch_size=32, use_nesterov=False, decay_filter=None, split_indices=None,
-                 enable_clip_grad=False, frequency=100, block_size=128, layers=None, name=None,
+                 enable_clip_grad=False, frequency=100, block_size=128, damping_mode="sqrt",
+                 statistics_decay=None, statistics_frequency=None, fisher="empirical",
+                 kl_clip=None, trace_thresholds=None, seed=None, layers=None, name=None,
                  jit_compile=None, **kwargs):
         loss_scale = check_number_range(check_float(loss_scale, "loss_scale", _OWNER),
                                         "loss_scale", _OWNER, low=0.0, low_inclusive=False)
@@ -161,6 +243,18 @@ class THOR(MindSporeOptimizer):
         split_indices = _check_split_indices(split_indices)
         block_size = _check_block_size(block_size)
         check_filter(decay_filter, "decay_filter", _OWNER)
+        damping_mode = _check_choice(damping_mode, "damping_mode", _DAMPING_MODES)
+        statistics_decay, statistics_frequency = _check_statistics(
+            statistics_decay, statistics_frequency, frequency)
+        fisher = _check_choice(fisher, "fisher", _FISHERS)
+        if kl_clip is not None:
+            kl_clip = check_number_range(check_float(kl_clip, "kl_clip", _OWNER), "kl_clip",
+                                         _OWNER, low=0.0, low_inclusive=False)
+        trace_thresholds = _check_trace_thresholds(trace_thresholds)
+        if seed is None and fisher == "sampled":
+            seed = random.SystemRandom().randrange(2**31)   # leaves Python's global state alone
+        if seed is not None:
+            seed = check_int(seed, "seed", _OWNER, min_value=0)
         if kwargs.get("gradient_accumulation_steps"):
             raise ValueError(
                 f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "
@@ -182,6 +276,14 @@ class THOR(MindSporeOptimizer):
         self.enable_clip_grad = enable_clip_grad
         self.frequency = frequency
         self.block_size = block_size
+        self.damping_mode = damping_mode
+        self.statistics_decay = statistics_decay
+        self.statistics_frequency = statistics_frequency
+        self.fisher = fisher
+        self.kl_clip = kl_clip
+        self.trace_thresholds = trace_thresholds
+        self.seed = seed
+        self._fisher_loss = None
         self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
         self._rules = None
@@ -274,15 +376,39 @@ class THOR(MindSporeOptimizer):
                           if block.has_factors]
             batch = keras.Variable(float(self.batch_size), dtype="float32", trainable=False,
                                    name="global_batch")
+        sampled = (SampledFisher(self, self._is_statistics_step) if self.fisher == "sampled"
+                   else None)
         buffers = iter(statistics)
         for block, layer in zip(blocks, layers):
             install(layer, block, next(buffers) if block.has_factors else None, batch,
-                    self._is_thor_step, self.block_size)
+                    self._is_statistics_step, self.block_size, sampled)
+        install_model(model, sampled)
         self._connection = _Connection(model, layers, statistics, batch, rows)
         self._rules = None
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again
         return self
+
+    def set_fisher_loss(self, loss):
+        """The loss whose output distribution ``fisher="sampled"`` draws labels from, for a
+        custom training loop (``fit`` reads it off the compiled loss): a Keras
+        cross-entropy loss, e.g. ``keras.losses.SparseCategoricalCrossentropy(
+        from_logits=True)`` or ``"binary_crossentropy"``. Returns this optimizer."""
+        self._fisher_loss = output_distribution(loss)
+        return self
+
+    def fisher_output_distribution(self):
+        """The output distribution of the sampled Fisher: from :meth:`set_fisher_loss`, or
+        the connected model's compiled loss."""
+        if self._fisher_loss is not None:
+            return self._fisher_loss
+        loss = getattr(self._connection.model(), "loss", None)
+        if loss is None:
+            raise ValueError(
+                f"For '{_OWNER}', fisher='sampled' needs the model's loss to know its "
+                f"output distribution: compile the model with it, or call "
+                f"optimizer.set_fisher_loss(loss) before a custom training loop.")
+        return output_distribution(loss)
 
     def report(self):
         """A :class:`tf_msopt.thor.ThorReport`: every trainable variable's rule and why."""
@@ -294,8 +420,11 @@ class THOR(MindSporeOptimizer):
             rows = [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
                               block.describe(self.block_size), "")
                     for block in self._blocks or () for name in block.variables]
+        decisions = {block.layer: tuple(int(n) for n in counts.numpy())
+                     for block, counts in zip(self._factored_blocks, self.trace_decisions)
+                     } if self.built else {}
         return ThorReport(tuple(rows), self.frequency, self.block_size, inverse_backend(),
-                          self._connection is not None)
+                          self._connection is not None, decisions)
 
     # --- state
 
@@ -308,12 +437,30 @@ class THOR(MindSporeOptimizer):
         super().build(var_list)
         self.momentums = [self.add_variable_from_reference(v, "momentum") for v in var_list]
         self.a_inverses, self.g_inverses = [], []
+        self.a_averages, self.g_averages, self.statistics_counts = [], [], []
+        self.traces, self.trace_decisions = [], []
         for block in self._factored_blocks:
             a_shape, g_shape = block.factor_shapes(self.block_size)
             self.a_inverses.append(self.add_variable(a_shape, initializer=_identity_blocks,
                                                      name=f"{block.layer}_a_inverse"))
             self.g_inverses.append(self.add_variable(g_shape, initializer=_identity_blocks,
                                                      name=f"{block.layer}_g_inverse"))
+            if self.statistics_decay is not None:
+                self.a_averages.append(self.add_variable(a_shape, initializer="zeros",
+                                                         name=f"{block.layer}_a_average"))
+                self.g_averages.append(self.add_variable(g_shape, initializer="zeros",
+                                                         name=f"{block.layer}_g_average"))
+                self.statistics_counts.append(self.add_variable(
+                    (), initializer="zeros", name=f"{block.layer}_statistics_count"))
+            if self.trace_thresholds is not None:
+                self.traces.append(self.add_variable((), initializer="zeros",
+                                                     name=f"{block.layer}_trace"))
+                # (refreshed, reused, frozen) inversions
+                self.trace_decisions.append(self.add_variable(
+                    (3,), initializer="zeros", dtype="int64",
+                    name=f"{block.layer}_trace_decisions"))
+        if self.kl_clip is not None:
+            self.kl_factor = self.add_variable((), initializer="ones", name="kl_factor")
         self.damping_retries = self.add_variable((), initializer="zeros", dtype="int64",
                                                  name="damping_retries")
         self.failed_inverses = self.add_variable((), initializer="zeros", dtype="int64",
@@ -323,9 +470,14 @@ class THOR(MindSporeOptimizer):
 
     # --- the step
 
-    def _is_thor_step(self):
-        return tf.equal(tf.math.floormod(tf.convert_to_tensor(self.iterations), self.frequency),
-                        0)
+    def _every(self, steps):
+        return tf.equal(tf.math.floormod(tf.convert_to_tensor(self.iterations), steps), 0)
+
+    def _is_statistics_step(self):
+        return self._every(self.statistics_frequency)
+
+    def _is_inverse_step(self):
+        return self._every(self.frequency)
 
     def _damping(self):
         if isinstance(self.damping, float):
@@ -387,48 +539,160 @@ class THOR(MindSporeOptimizer):
         return scale
 
     def _refresh_inverses(self, distribution, local):
-        """On THOR steps: sums the statistics over replicas (one all-reduce per bucket) and
-        recomputes every layer's inverses (in cross-replica context)."""
+        """On statistics steps: sums the statistics over replicas (one all-reduce per bucket)
+        and, on inverse steps, recomputes every layer's inverses (cross-replica context)."""
         if not local:
             return
         damping = tf.sqrt(self._damping())
-        g_scale = tf.math.reciprocal(tf.square(self._loss_scale()))
+        # Sampled labels come with an unscaled loss; the training loss carries its scale.
+        g_scale = (tf.constant(1.0) if self.fisher == "sampled"
+                   else tf.math.reciprocal(tf.square(self._loss_scale())))
 
         def refresh():
             for bucket in _buckets(len(local), self.split_indices):
                 reduced = _sum_over_replicas(
                     distribution, [value for index in bucket for value in local[index]],
                     self.a_inverses[bucket[0]])
-                for offset, index in enumerate(bucket):
-                    a, g, rows = reduced[3 * offset:3 * offset + 3]
-                    _on_each_device(distribution, self.a_inverses[index], self._refresh_layer,
-                                    (index, a, g, rows, damping, g_scale))
+                statistics = [reduced[3 * offset:3 * offset + 3]
+                              for offset in range(len(bucket))]
+                _on_each_device(distribution, self.a_inverses[bucket[0]], self._refresh_bucket,
+                                (bucket, statistics, damping, g_scale))
             return tf.constant(True)
 
-        tf.cond(self._is_thor_step(), refresh, lambda: tf.constant(False))
+        tf.cond(self._is_statistics_step(), refresh, lambda: tf.constant(False))
 
-    def _refresh_layer(self, _, index, a, g, rows, damping, g_scale):
-        """New inverses of one layer on one device, from statistics summed over replicas."""
-        block = self._factored_blocks[index]
-        a_inverse, g_inverse = self.a_inverses[index], self.g_inverses[index]
-        a_previous, g_previous = tf.convert_to_tensor(a_inverse), tf.convert_to_tensor(g_inverse)
-        observed = rows > 0
-        rows = tf.maximum(rows, 1.0)
-        (a_new, g_new), retried, kept = block.invert(
-            a / rows, g / rows * g_scale, damping, (a_previous, g_previous), self.block_size)
-        self.assign(a_inverse, tf.where(observed, a_new, a_previous))
-        self.assign(g_inverse, tf.where(observed, g_new, g_previous))
+    def _refresh_bucket(self, _, bucket, statistics, damping, g_scale):
+        """One bucket's layers on one device, from statistics summed over replicas: the
+        moving averages (with ``statistics_decay``), then new inverses on inverse steps."""
+        layers = []
+        for index, (a, g, rows) in zip(bucket, statistics):
+            observed = rows > 0
+            rows = tf.maximum(rows, 1.0)
+            a, g = a / rows, g / rows * g_scale
+            if self.statistics_decay is not None:
+                a, g, observed = self._average(index, a, g, observed)
+            layers.append((index, a, g, observed))
+        if self.statistics_decay is None:   # statistics steps are inverse steps
+            return self._invert_layers(layers, damping)
+        return tf.cond(self._is_inverse_step(), lambda: self._invert_layers(layers, damping),
+                       lambda: tf.constant(False))
+
+    def _average(self, index, a, g, observed):
+        """Updates one layer's moving averages; returns them bias-corrected, and whether
+        there is anything averaged yet."""
+        beta = self.statistics_decay
+        count = self.statistics_counts[index]
+        # A step whose statistics are not finite leaves the averages alone.
+        update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
+            tf.math.is_finite(g))
+        averages = []
+        for average, value in ((self.a_averages[index], a), (self.g_averages[index], g)):
+            self.assign(average, tf.where(update, beta * average + (1.0 - beta) * value,
+                                          average))
+            averages.append(tf.convert_to_tensor(average))
+        self.assign_add(count, tf.cast(update, tf.float32))
+        count = tf.convert_to_tensor(count)
+        correction = 1.0 - tf.pow(tf.constant(beta), tf.maximum(count, 1.0))
+        return averages[0] / correction, averages[1] / correction, count > 0
+
+    def _layer_damping(self, block, a, g, damping):
+        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or split by the factors' traces."""
+        if self.damping_mode == "sqrt":
+            return damping, damping
+        a_mean, g_mean = block.mean_eigenvalues(a, g, self.block_size)
+        pi = tf.sqrt(tf.math.divide_no_nan(a_mean, g_mean))
+        pi = tf.where((pi > 0) & tf.math.is_finite(pi), pi, 1.0)
+        return damping * pi, damping / pi
+
+    def _invert_layers(self, layers, damping):
+        """New inverses for ``layers`` (``(index, a, g, observed)``), where ``observed`` and
+        the trace rule (if any) say so."""
+        layers = [(index, a, g, observed,
+                   self._layer_damping(self._factored_blocks[index], a, g, damping))
+                  for index, a, g, observed in layers]
+        if self.trace_thresholds is None:
+            self._assign_inverses(layers)
+            return tf.constant(True)
+        for index, a, g, observed, layer_damping in layers:
+            block = self._factored_blocks[index]
+            refresh = self._trace_rule(
+                index, block.damped_trace(a, g, layer_damping, self.block_size), observed)
+            layer = (index, a, g, refresh, layer_damping)
+            # The rule exists to save the inversion: skip it, not only its result.
+            tf.cond(refresh, lambda layer=layer: self._assign_inverses([layer]),
+                    lambda: tf.constant(False))
+        return tf.constant(True)
+
+    def _assign_inverses(self, layers):
+        """Inverts every factor of ``layers`` (blocks of one size in one call) and assigns
+        them where the layer is ``observed``."""
+        factors, previous = [], []
+        for index, a, g, observed, layer_damping in layers:
+            old = (tf.convert_to_tensor(self.a_inverses[index]),
+                   tf.convert_to_tensor(self.g_inverses[index]))
+            previous.append(old)
+            factors += self._factored_blocks[index].inversion_factors(
+                a, g, layer_damping, old, self.block_size)
+        results = iter(robust_inverses(factors))
         zero = tf.zeros((), tf.int64)
-        self.assign_add(self.damping_retries, tf.where(observed, retried, zero))
-        self.assign_add(self.failed_inverses, tf.where(observed, kept, zero))
+        for (index, _, _, observed, _), old in zip(layers, previous):
+            (a_new, a_retried, a_kept), (g_new, g_retried, g_kept) = next(results), next(results)
+            self.assign(self.a_inverses[index], tf.where(observed, a_new, old[0]))
+            self.assign(self.g_inverses[index], tf.where(observed, g_new, old[1]))
+            self.assign_add(self.damping_retries, tf.where(observed, a_retried + g_retried, zero))
+            self.assign_add(self.failed_inverses, tf.where(observed, a_kept + g_kept, zero))
+        return tf.constant(True)
+
+    def _trace_rule(self, index, trace, observed):
+        """THOR's per-layer rule; returns whether to invert, counts the decision."""
+        omega1, omega2 = self.trace_thresholds
+        previous, decisions = self.traces[index], self.trace_decisions[index]
+        frozen = decisions[2] > 0
+        change = tf.math.divide_no_nan(tf.abs(tf.abs(trace) - tf.abs(previous)),
+                                       tf.abs(previous))
+        first = tf.equal(previous, 0.0)
+        refresh = observed & ~frozen & (first | (change > omega1))
+        freeze = observed & ~frozen & ~first & (change <= omega2)
+        reuse = observed & ~frozen & ~refresh & ~freeze
+        self.assign_add(decisions, tf.cast(tf.stack([refresh, reuse, freeze | (
+            observed & frozen)]), tf.int64))
+        self.assign(previous, tf.where(observed & ~frozen, trace, previous))
+        return refresh
+
+    def distributed_update(self, distribution, grads_and_vars, learning_rate):
+        if self.kl_clip is not None:
+            _on_each_device(distribution, self.kl_factor, self._set_kl_factor,
+                            (grads_and_vars, learning_rate))
+        return super().distributed_update(distribution, grads_and_vars, learning_rate)
+
+    def _set_kl_factor(self, _, grads_and_vars, learning_rate):
+        """``nu = min(1, sqrt(kl_clip / (lr^2 |sum <g, P g>|)))`` over the Kronecker-factored
+        kernels, on one device."""
+        products = []
+        for gradient, variable in grads_and_vars:
+            rule = self._rules[compat.variable_index(self, variable)]
+            if gradient is not None and rule is not None and rule[0].has_factors:
+                gradient = self._unscaled(gradient)
+                products.append(tf.reduce_sum(gradient * self._precondition(gradient, *rule)))
+        if not products:
+            return
+        learning_rate = tf.cast(learning_rate, tf.float32)
+        size = tf.abs(tf.add_n(products)) * tf.square(learning_rate)
+        nu = tf.minimum(1.0, tf.sqrt(tf.math.divide_no_nan(self.kl_clip, size)))
+        self.assign(self.kl_factor, tf.where(size > 0, nu, 1.0))
+
+    def _unscaled(self, gradient):
+        gradient = tf.cast(gradient, tf.float32)
+        return gradient / self.loss_scale if self.loss_scale != 1.0 else gradient
 
     def _update(self, gradient, variable, learning_rate):
         index = compat.variable_index(self, variable)
-        gradient = tf.cast(gradient, tf.float32)
-        if self.loss_scale != 1.0:
-            gradient = gradient / self.loss_scale
-        if self._rules[index] is not None:
-            gradient = self._precondition(gradient, *self._rules[index])
+        gradient = self._unscaled(gradient)
+        rule = self._rules[index]
+        if rule is not None:
+            gradient = self._precondition(gradient, *rule)
+            if self.kl_clip is not None and rule[0].has_factors:
+                gradient *= tf.convert_to_tensor(self.kl_factor)
         gradient = tf.cast(gradient, variable.dtype)
         if self._decay_flags[index]:
             gradient += tf.cast(self.weight_decay, variable.dtype) * variable
@@ -464,6 +728,14 @@ class THOR(MindSporeOptimizer):
             "enable_clip_grad": self.enable_clip_grad,
             "frequency": self.frequency,
             "block_size": self.block_size,
+            "damping_mode": self.damping_mode,
+            "statistics_decay": self.statistics_decay,
+            "statistics_frequency": self.statistics_frequency,
+            "fisher": self.fisher,
+            "kl_clip": self.kl_clip,
+            "trace_thresholds": (None if self.trace_thresholds is None
+                                 else list(self.trace_thresholds)),
+            "seed": self.seed,
             "layers": None if self._blocks is None else [b.get_config() for b in self._blocks],
         })
         return config

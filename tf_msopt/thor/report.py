@@ -11,6 +11,8 @@ class ThorReport:
     ``str(report)`` is a table; ``rows`` holds one
     :class:`tf_msopt.thor.capture.ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
+    With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
+    counts of inversions ``(refreshed, reused, frozen)``.
     """
 
     rows: tuple
@@ -18,6 +20,7 @@ class ThorReport:
     block_size: object
     inverse_backend: str
     connected: bool
+    trace_decisions: dict = dataclasses.field(default_factory=dict)
 
     @property
     def preconditioned(self):
@@ -43,4 +46,8 @@ class ThorReport:
             table.append((row.variable, f"{row.layer} ({row.layer_type})", rule))
         widths = [max(len(line[i]) for line in table) for i in range(2)]
         lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in table]
+        if self.trace_decisions:
+            lines.append("trace rule (inversions refreshed / reused / frozen):")
+            lines += [f"  {layer}: {r} / {u} / {f}"
+                      for layer, (r, u, f) in self.trace_decisions.items()]
         return "\n".join([header, *lines])

@@ -1,0 +1,479 @@
+"""THOR's opt-in options: damping_mode="pi", statistics_decay/statistics_frequency,
+fisher="sampled", kl_clip and trace_thresholds.
+
+The formulas of ``pi``, the bias-corrected averages, the KL factor and the trace rule are
+checked against the NumPy reference (``thor_reference.py``) here and, over more layer kinds,
+in ``test_thor_numerics.py::test_options_match_numpy_reference``. The sampled Fisher's ``G`` is
+checked against NumPy given the same sampled labels (drawn here with the same stateless TF
+call). Then: MirroredStrategy equals one device, save/load resumes exactly, and a
+LossScaleOptimizer around THOR leaves ``G`` unscaled, with the options on.
+"""
+import math
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+from test_thor_training import assert_weights_close, mixed_model
+
+import tf_msopt as mso
+from tf_msopt.thor.sampled_fisher import output_distribution
+
+
+def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((inputs,)),
+                             keras.layers.Dense(hidden, activation="tanh", name="fc"),
+                             keras.layers.Dense(outputs, activation=output_activation,
+                                                name="head")])
+
+
+# -- arguments and config ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs, error, argument", [
+    (dict(damping_mode="trace"), ValueError, "damping_mode"),
+    (dict(damping_mode=None), ValueError, "damping_mode"),
+    (dict(fisher="true"), ValueError, "fisher"),
+    (dict(statistics_decay=1.0), ValueError, "statistics_decay"),
+    (dict(statistics_decay=-0.1), ValueError, "statistics_decay"),
+    (dict(statistics_decay="0.9"), TypeError, "statistics_decay"),
+    (dict(statistics_decay=0.9, statistics_frequency=3, frequency=10), ValueError,
+     "statistics_frequency"),                                    # does not divide frequency
+    (dict(statistics_frequency=2, frequency=10), ValueError, "statistics_frequency"),  # no decay
+    (dict(statistics_decay=0.9, statistics_frequency=0), ValueError, "statistics_frequency"),
+    (dict(statistics_decay=0.9, statistics_frequency=2.0), TypeError, "statistics_frequency"),
+    (dict(kl_clip=0.0), ValueError, "kl_clip"),
+    (dict(kl_clip=-1.0), ValueError, "kl_clip"),
+    (dict(kl_clip="1e-3"), TypeError, "kl_clip"),
+    (dict(trace_thresholds=0.1), TypeError, "trace_thresholds"),
+    (dict(trace_thresholds=(0.1,)), TypeError, "trace_thresholds"),
+    (dict(trace_thresholds=(0.1, "0.01")), TypeError, "trace_thresholds"),
+    (dict(trace_thresholds=(0.01, 0.1)), ValueError, "trace_thresholds"),   # omega2 > omega1
+    (dict(trace_thresholds=(0.1, -0.01)), ValueError, "trace_thresholds"),
+    (dict(seed=-1), ValueError, "seed"),
+    (dict(seed=1.5), TypeError, "seed"),
+])
+def test_bad_option_arguments_raise(kwargs, error, argument):
+    with pytest.raises(error, match=argument):
+        mso.thor(small_model(), 0.1, 0.03, 0.9, **kwargs)
+
+
+def test_option_defaults_and_config_round_trip():
+    model = small_model()
+    plain = mso.thor(model, 0.1, 0.03, 0.9, frequency=10)
+    assert (plain.damping_mode, plain.statistics_decay, plain.statistics_frequency,
+            plain.fisher, plain.kl_clip, plain.trace_thresholds, plain.seed) == (
+        "sqrt", None, 10, "empirical", None, None, None)
+    assert mso.thor(model, 0.1, 0.03, 0.9, frequency=10,
+                    statistics_decay=0.9).statistics_frequency == 1
+    drawn = mso.thor(model, 0.1, 0.03, 0.9, fisher="sampled")
+    assert isinstance(drawn.seed, int)           # drawn once, then kept in the config
+    assert mso.THOR.from_config(drawn.get_config()).seed == drawn.seed
+
+    optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=10, damping_mode="pi",
+                         statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
+                         kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7)
+    config = optimizer.get_config()
+    assert {key: config[key] for key in ("damping_mode", "statistics_decay",
+                                         "statistics_frequency", "fisher", "kl_clip",
+                                         "trace_thresholds", "seed")} == dict(
+        damping_mode="pi", statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
+        kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7)
+    restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
+    assert type(restored) is mso.THOR and restored.get_config() == config
+    assert restored.trace_thresholds == (0.2, 0.01)
+
+
+# -- pi damping and the trace rule -------------------------------------------------------------
+
+def test_pi_is_one_when_a_trace_is_zero():
+    """Zero inputs (and zero biases): A = 0 in both layers, so pi = 1 and A's inverse is
+    I / sqrt(lambda), where pi's formula would divide 0 by 0 (head) or give 0 (fc)."""
+    model = small_model()
+    optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, block_size=None,
+                         damping_mode="pi")
+    model.compile(optimizer=optimizer, loss="mse")
+    model.train_on_batch(np.zeros((8, 4), "float32"), np.ones((8, 3), "float32"))
+    for inverse in optimizer.a_inverses:
+        np.testing.assert_allclose(inverse.numpy()[0], np.eye(inverse.shape[-1]) / 0.2,
+                                   rtol=1e-6)
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+def _damped_trace(x, delta, damping):
+    """(tr A + d dim A)(tr G + d dim G) of one Dense layer, mean statistics."""
+    a, g = x.T @ x / len(x), delta.T @ delta / len(delta)
+    return (np.trace(a) + damping * len(a)) * (np.trace(g) + damping * len(g))
+
+
+def test_trace_rule_refreshes_reuses_and_freezes():
+    """One linear Dense layer, learning rate 0 (the weights stay), mse; inverse steps 0, 2, 4,
+    6, 8 see the inputs and targets scaled by 1, 3, 3.1, 3.1, 10: first time (refresh),
+    Delta ~ 80 (refresh), Delta ~ 0.14 (reuse), Delta = 0 (freeze), then frozen whatever the
+    change. Decisions (2, 1, 2); the traces follow the formula."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="fc")])
+    damping = 0.01
+    optimizer = mso.thor(model, 0.0, damping, 0.9, frequency=2, block_size=None,
+                         trace_thresholds=(0.5, 0.05))
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.normal(size=(8, 3)).astype("float32")
+    kernel, bias = (w.astype(np.float64) for w in model.get_weights())
+    root = math.sqrt(damping)
+    decisions, traces, inverses, expected = [], [], [], []
+    for scale in (1.0, 3.0, 3.1, 3.1, 10.0):
+        xs, ys = x * np.float32(scale), y * np.float32(scale)
+        model.train_on_batch(xs, ys)                          # inverse step
+        decisions.append(tuple(optimizer.trace_decisions[0].numpy()))
+        traces.append(float(optimizer.traces[0].numpy()))
+        inverses.append(optimizer.g_inverses[0].numpy().copy())
+        delta = 2.0 * (xs @ kernel + bias - ys) / 3           # d(mse)/dz times the batch
+        expected.append(_damped_trace(xs.astype(np.float64), delta, root))
+        model.train_on_batch(xs, ys)                          # stale step
+    np.testing.assert_allclose(traces[:4], expected[:4], rtol=1e-5)
+    assert decisions == [(1, 0, 0), (2, 0, 0), (2, 1, 0), (2, 1, 1), (2, 1, 2)]
+    assert traces[4] == traces[3]                             # frozen: no new trace either
+    assert not np.array_equal(inverses[0], inverses[1])       # refreshed
+    for kept in inverses[2:]:                                 # reused, frozen, frozen
+        np.testing.assert_array_equal(kept, inverses[1])
+    np.testing.assert_array_equal(model.get_weights()[0], kernel.astype("float32"))
+    report = optimizer.report()
+    assert report.trace_decisions == {"fc": (2, 1, 2)}
+    assert "fc: 2 / 1 / 2" in str(report)
+
+
+# -- sampled Fisher ----------------------------------------------------------------------------
+
+def _step_seed(seed, step, replica=0):
+    return tf.random.experimental.stateless_fold_in(
+        tf.constant([seed, step], tf.int64), replica)
+
+
+def sampled_labels(kind, from_logits, outputs, seed, step, replica=0):
+    """The labels THOR's sampled Fisher draws from ``outputs`` (float32, as the model gives
+    them) at ``step``: the same stateless TF calls."""
+    outputs = tf.constant(outputs, tf.float32)
+    seed = _step_seed(seed, step, replica)
+    if kind == "categorical":
+        logits = outputs if from_logits else tf.math.log(
+            tf.clip_by_value(outputs, keras.config.epsilon(), 1.0))
+        return tf.random.stateless_categorical(logits, 1, seed)[:, 0].numpy()
+    probabilities = tf.sigmoid(outputs) if from_logits else outputs
+    return (tf.random.stateless_uniform(tf.shape(outputs), seed) < probabilities).numpy()
+
+
+def sampled_statistics(model, x, kind, labels):
+    """NumPy (float64): ``[(A, G)]`` of the two Dense layers of :func:`small_model` with
+    ``delta = d(sum -log p(labels|x))/dz`` (the pre-activation outputs)."""
+    (w1, b1), (w2, b2) = [[w.astype(np.float64) for w in layer.get_weights()]
+                          for layer in model.layers]
+    x = x.astype(np.float64)
+    h = np.tanh(x @ w1 + b1)
+    z = h @ w2 + b2
+    if kind == "categorical":
+        p = np.exp(z - z.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        delta2 = p - np.eye(z.shape[-1])[labels]
+    else:
+        delta2 = 1.0 / (1.0 + np.exp(-z)) - labels
+    delta1 = delta2 @ w2.T * (1.0 - h * h)
+    return [(v.T @ v / len(v), d.T @ d / len(d)) for v, d in ((x, delta1), (h, delta2))]
+
+
+def connected_statistics(optimizer):
+    """The mean statistics THOR captured this step: ``[(A, G)]`` (one block each)."""
+    return [(s.a.numpy()[0] / s.rows.numpy(), s.g.numpy()[0] / s.rows.numpy())
+            for s in optimizer._connection.statistics]
+
+
+SAMPLED_CASES = {
+    "sparse_logits": (None, keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      "categorical", True),
+    "categorical_probabilities": ("softmax", "categorical_crossentropy", "categorical", False),
+    "binary_logits": (None, keras.losses.BinaryCrossentropy(from_logits=True), "bernoulli",
+                      True),
+    "binary_probabilities": ("sigmoid", keras.losses.binary_crossentropy, "bernoulli", False),
+}
+
+
+@pytest.mark.parametrize("case", SAMPLED_CASES.keys())
+def test_sampled_g_matches_numpy(case):
+    """One step: G from the labels sampled off the model's own outputs, A as always; the
+    inverses of this step are those of the sampled statistics."""
+    activation, loss, kind, from_logits = SAMPLED_CASES[case]
+    model = small_model(activation)
+    damping, seed = 0.04, 11
+    optimizer = mso.thor(model, 0.1, damping, 0.9, frequency=2, block_size=None,
+                         fisher="sampled", seed=seed)
+    model.compile(optimizer=optimizer, loss=loss)
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    classes = rng.integers(0, 3, size=16)
+    y = {"sparse_logits": classes, "categorical_probabilities": np.eye(3)[classes]}.get(
+        case, rng.integers(0, 2, size=(16, 3))).astype("float32")
+    labels = sampled_labels(kind, from_logits, model(x), seed, step=0)
+    want = sampled_statistics(model, x, kind, labels)
+    empirical = sampled_statistics(model, x, kind, y if kind == "bernoulli" else classes)
+    model.train_on_batch(x, y)
+    for (a, g), (want_a, want_g), (_, empirical_g) in zip(
+            connected_statistics(optimizer), want, empirical):
+        np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-6)
+        assert not np.allclose(g, empirical_g, rtol=1e-2)      # not the training loss's G
+    for inverse, (_, want_g) in zip(optimizer.g_inverses, want):
+        np.testing.assert_allclose(inverse.numpy()[0],
+                                   np.linalg.inv(want_g + math.sqrt(damping)
+                                                 * np.eye(len(want_g))),
+                                   rtol=1e-4, atol=1e-5)
+
+
+def _sampled_run(seed, steps=3, options=None):
+    model = small_model()
+    optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, block_size=None,
+                         fisher="sampled", seed=seed, **(options or {}))
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(2)
+    for _ in range(steps):
+        model.train_on_batch(rng.normal(size=(16, 4)).astype("float32"),
+                             rng.integers(0, 3, size=16))
+    return model.get_weights(), [g for _, g in connected_statistics(optimizer)]
+
+
+def test_sampled_fisher_is_reproducible_with_a_seed():
+    """Same seed: identical runs (statistics and weights); another seed: other labels."""
+    first, second, other = _sampled_run(3), _sampled_run(3), _sampled_run(4)
+    for a, b in zip(first[0] + first[1], second[0] + second[1]):
+        np.testing.assert_array_equal(a, b)
+    assert not any(np.allclose(a, b) for a, b in zip(first[1], other[1]))
+    assert not np.allclose(first[0][0], other[0][0])
+
+
+def test_sampled_fisher_needs_a_distribution():
+    """A loss without an output distribution raises, naming the supported ones; a custom loop
+    without set_fisher_loss raises, naming it."""
+    model = small_model()
+    optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, fisher="sampled", seed=0)
+    model.compile(optimizer=optimizer, loss="mse")
+    with pytest.raises(ValueError, match="sparse_categorical_crossentropy.*binary_crossentropy"):
+        model.train_on_batch(np.ones((4, 4), "float32"), np.ones((4, 3), "float32"))
+    for loss in ("mse", keras.losses.Huber(), lambda y, p: p, 3):
+        with pytest.raises(ValueError, match="fisher='empirical'"):
+            output_distribution(loss)
+    assert output_distribution(keras.losses.CategoricalCrossentropy(from_logits=True)) == (
+        output_distribution(keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
+
+    model = small_model()
+    optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, fisher="sampled", seed=0)
+    optimizer.build(model.trainable_variables)
+    with pytest.raises(ValueError, match="set_fisher_loss"):
+        model(np.ones((4, 4), "float32"), training=True)
+
+
+def test_sampled_fisher_in_a_custom_loop():
+    """set_fisher_loss gives the distribution; G as in NumPy from the same labels."""
+    model = small_model()
+    seed = 5
+    optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, block_size=None,
+                         fisher="sampled", seed=seed)
+    assert optimizer.set_fisher_loss(
+        keras.losses.SparseCategoricalCrossentropy(from_logits=True)) is optimizer
+    optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(3)
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.integers(0, 3, size=8)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras.losses.sparse_categorical_crossentropy(y, model(x, training=True),
+                                                                from_logits=True)
+            loss = tf.reduce_mean(loss)
+        optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                        model.trainable_variables)
+
+    labels = sampled_labels("categorical", True, model(x), seed, step=0)
+    want = sampled_statistics(model, x, "categorical", labels)
+    step(x, y)
+    for (a, g), (want_a, want_g) in zip(connected_statistics(optimizer), want):
+        np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-6)
+    step(x, y)
+    assert int(optimizer.iterations.numpy()) == 2
+
+
+def test_non_finite_statistics_or_outputs_are_not_recorded():
+    """Overflowing statistics with finite gradients (one huge input feature saturates tanh):
+    that layer's statistics count as unobserved (its averages and count stay), the next
+    layer's are recorded. Non-finite outputs (a NaN input) inside a LossScaleOptimizer, which
+    skips that update: nothing recorded, nothing NaN."""
+    rng = np.random.default_rng(4)
+    x, y = rng.normal(size=(8, 4)).astype("float32"), rng.integers(0, 3, size=8)
+    overflow, poisoned = x.copy(), x.copy()
+    overflow[0] = [1e30, 0.0, 0.0, 0.0]          # fc's A = x x^T overflows; tanh saturates
+    poisoned[0, 0] = np.nan                      # every output of that row is NaN
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    scaled = lambda o: mso.LossScaleOptimizer(o, mso.DynamicLossScaleManager(  # noqa: E731
+        2.0 ** 8, 2, 100))
+    for wrap, bad, counts, steps in ((None, overflow, [2.0, 4.0], 4),
+                                     (scaled, poisoned, [2.0, 2.0], 2)):
+        model = small_model()
+        optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, block_size=None,
+                             fisher="sampled", seed=0, statistics_decay=0.5)
+        model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss=loss)
+        model.train_on_batch(x, y)                   # statistics step 0
+        fc_averages = [optimizer.a_averages[0].numpy(), optimizer.g_averages[0].numpy()]
+        model.train_on_batch(bad, y)
+        np.testing.assert_array_equal(fc_averages[0], optimizer.a_averages[0].numpy())
+        np.testing.assert_array_equal(fc_averages[1], optimizer.g_averages[0].numpy())
+        model.train_on_batch(x, y)
+        model.train_on_batch(bad, y)
+        assert [float(c.numpy()) for c in optimizer.statistics_counts] == counts
+        assert int(optimizer.iterations.numpy()) == steps
+        for variable in optimizer.variables + model.weights:
+            assert np.all(np.isfinite(variable.numpy())), variable.path
+        for statistics in optimizer._connection.statistics:
+            for buffer in (statistics.a, statistics.g, statistics.rows):
+                assert np.all(np.isfinite(buffer.numpy()))
+        keras.backend.clear_session(free_memory=False)
+
+
+# -- MirroredStrategy, save/resume, loss scaling with the options on ---------------------------
+
+#: Every option on; the empirical variant sparser statistics (steps 0, 2, 4; inverses at 0, 4).
+SAMPLED_ALL = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
+                   trace_thresholds=(0.3, 0.05), fisher="sampled", seed=3)
+EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequency=2,
+                     frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05))
+
+
+def classification_data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return ([rng.normal(size=(n, 6, 6, 1)).astype("float32"),
+             rng.integers(0, 7, size=(n, 3)).astype("int32")],
+            rng.integers(0, 2, size=n).astype("int32"))
+
+
+def make_mixed(options, wrap=None):
+    """mixed_model without attention (Conv2D, Embedding, LayerNorm, Dense) with two logits,
+    compiled with THOR(``options``), optionally wrapped."""
+    model = mixed_model(attention=False)
+    options = dict(dict(frequency=2), **options)
+    optimizer = mso.thor(model, 0.05, 0.05, 0.9, block_size=4, weight_decay=1e-3, **options)
+    model.compile(optimizer=optimizer if wrap is None else wrap(optimizer),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model, optimizer
+
+
+def train_steps(model, first, count, batch=8):
+    x, y = classification_data(8 * batch)
+    for i in range(first, first + count):
+        rows = slice(batch * i, batch * (i + 1))
+        model.train_on_batch([x[0][rows], x[1][rows]], y[rows])
+
+
+def option_state(optimizer):
+    """The options' optimizer variables, by name (paths change inside a wrapper)."""
+    variables = (optimizer.a_averages + optimizer.g_averages + optimizer.statistics_counts
+                 + optimizer.traces + optimizer.trace_decisions + [optimizer.kl_factor])
+    return {v.name: v.numpy() for v in variables}
+
+
+def test_two_replicas_equal_one_device(two_cpu_strategy):
+    """Every option but the sampled Fisher (whose labels are drawn per replica) under a
+    LossScaleOptimizer: two replicas on 16 examples per step equal one device."""
+    def train(strategy):
+        with strategy.scope():
+            model, optimizer = make_mixed(EMPIRICAL_ALL, wrap=lambda o: mso.LossScaleOptimizer(
+                o, 2.0 ** 8))
+        x, y = classification_data(16 * 6)
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+        return model.get_weights(), option_state(optimizer), optimizer
+
+    single, single_state, _ = train(tf.distribute.get_strategy())
+    keras.backend.clear_session(free_memory=False)
+    mirrored, mirrored_state, optimizer = train(two_cpu_strategy)
+    assert_weights_close(mirrored, single, rtol=1e-5)
+    for name, value in single_state.items():
+        np.testing.assert_allclose(mirrored_state[name], value, rtol=1e-5, atol=1e-7,
+                                   err_msg=name)
+    for variable in optimizer.a_averages + optimizer.g_inverses + [optimizer.kl_factor]:
+        first, second = (v.numpy() for v in variable.value.values)
+        np.testing.assert_array_equal(first, second)
+    assert any(counts[1] + counts[2] for counts in mirrored_state.values()
+               if counts.dtype == np.int64)          # the trace rule kept some inverses
+
+
+def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
+    """Each replica draws its labels with its own replica id folded into the seed; G is the
+    sum over both replicas' rows, as NumPy computes it from the same labels."""
+    seed, damping = 9, 0.04
+    with two_cpu_strategy.scope():
+        model = small_model()
+        optimizer = mso.thor(model, 0.1, damping, 0.9, frequency=2, block_size=None,
+                             fisher="sampled", seed=seed)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(5)
+    x, y = rng.normal(size=(16, 4)).astype("float32"), rng.integers(0, 3, size=16)
+    logits = model(x).numpy()
+    labels = np.concatenate([sampled_labels("categorical", True, logits[8 * r:8 * r + 8], seed,
+                                            step=0, replica=r) for r in (0, 1)])
+    want = sampled_statistics(model, x, "categorical", labels)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for variable, (_, want_g) in zip(optimizer.g_inverses, want):
+        for inverse in variable.value.values:
+            np.testing.assert_allclose(inverse.numpy()[0], np.linalg.inv(
+                want_g + math.sqrt(damping) * np.eye(len(want_g))), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("options", [SAMPLED_ALL, EMPIRICAL_ALL], ids=["sampled", "empirical"])
+def test_save_load_resumes_exactly(tmp_path, options):
+    """Saved at a step between statistics/inverse steps, loaded and connected: the option
+    state is restored and training goes on exactly as without the interruption."""
+    model, optimizer = make_mixed(options)
+    train_steps(model, 0, 3)
+    path = str(tmp_path / "thor.keras")
+    model.save(path)
+    state = option_state(optimizer)
+    loaded = keras.models.load_model(path, safe_mode=True)
+    restored = mso.thor.connect(loaded)
+    assert restored.get_config() == optimizer.get_config()
+    for name, value in option_state(restored).items():
+        np.testing.assert_array_equal(value, state[name], err_msg=name)
+    train_steps(model, 3, 5)
+    train_steps(loaded, 3, 5)
+    for got, want in zip(loaded.get_weights(), model.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for name, value in option_state(restored).items():
+        np.testing.assert_array_equal(value, option_state(optimizer)[name], err_msg=name)
+
+
+def _mso_dynamic(optimizer):
+    return mso.LossScaleOptimizer(optimizer, mso.DynamicLossScaleManager(2.0 ** 12, 2, 3))
+
+
+def _keras_dynamic(optimizer):
+    return keras.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 10,
+                                               dynamic_growth_steps=2)
+
+
+@pytest.mark.parametrize("options, wrappers", [
+    (EMPIRICAL_ALL, (_mso_dynamic, _keras_dynamic)),
+    (SAMPLED_ALL, (_mso_dynamic,)),         # the sampled G never carries the scale
+], ids=["empirical", "sampled"])
+def test_loss_scale_optimizers_leave_g_unscaled(options, wrappers):
+    """Inside tf_msopt's and Keras' LossScaleOptimizer (dynamic scales): the same averaged G,
+    KL factor, trace decisions and weights as without loss scaling."""
+    def run(wrap=None):
+        model, optimizer = make_mixed(options, wrap)
+        train_steps(model, 0, 6)
+        keras.backend.clear_session(free_memory=False)
+        return model.get_weights(), option_state(optimizer)
+
+    plain, plain_state = run()
+    for wrap in wrappers:
+        weights, state = run(wrap)
+        assert_weights_close(weights, plain, rtol=1e-5)
+        for name, value in plain_state.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-7, err_msg=name)

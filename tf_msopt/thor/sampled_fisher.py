@@ -1,0 +1,154 @@
+"""The sampled (true) Fisher: ``G`` from labels drawn from the model's own predictions.
+
+With ``fisher="sampled"``, THOR patches the model's ``call`` as it patches its
+layers' (an instance attribute). In a training call on a statistics step, the
+treated layers' pre-activation outputs are watched by a tape of THOR's own; after
+the forward pass, labels ``y_hat`` are drawn from the output distribution and the
+gradient of ``sum(-log p(y_hat | x)) / global_batch`` with respect to those outputs
+(a second backward pass, through the layers above each one only) gives each
+layer's ``G``. ``A`` comes from the same inputs as always. The training loss and
+its gradients are untouched.
+
+The output distribution is read off the compiled loss (``model.loss``) or set with
+:meth:`tf_msopt.THOR.set_fisher_loss` for a custom loop.
+"""
+import dataclasses
+
+import keras
+import tensorflow as tf
+
+__all__ = ["OutputDistribution", "SampledFisher", "output_distribution"]
+
+_CATEGORICAL = {"sparse_categorical_crossentropy", "categorical_crossentropy"}
+_BINARY = {"binary_crossentropy"}
+_LOSS_CLASSES = {keras.losses.SparseCategoricalCrossentropy: "sparse_categorical_crossentropy",
+                 keras.losses.CategoricalCrossentropy: "categorical_crossentropy",
+                 keras.losses.BinaryCrossentropy: "binary_crossentropy"}
+SUPPORTED = ("sparse_categorical_crossentropy, categorical_crossentropy and "
+             "binary_crossentropy (names, functions or keras.losses classes; logits or "
+             "probabilities)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputDistribution:
+    """``kind``: ``"categorical"`` (softmax over the last axis) or ``"bernoulli"`` (a
+    sigmoid per entry); ``from_logits``: whether the model outputs logits."""
+
+    kind: str
+    from_logits: bool
+
+    def sampled_loss(self, outputs, seed):
+        """``sum(-log p(y_hat | x))`` over the batch with ``y_hat`` drawn from ``outputs``."""
+        outputs = tf.cast(outputs, tf.float32)
+        epsilon = keras.config.epsilon()
+        if self.kind == "categorical":
+            logits = outputs if self.from_logits else tf.math.log(
+                tf.clip_by_value(outputs, epsilon, 1.0))
+            flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
+            finite = tf.where(tf.math.is_finite(flat), flat, 0.0)
+            labels = tf.random.stateless_categorical(tf.stop_gradient(finite), 1, seed)[:, 0]
+            if self.from_logits:
+                return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
+                    labels=labels, logits=flat))
+            return -tf.reduce_sum(tf.gather(flat, labels, batch_dims=1))
+        probabilities = tf.sigmoid(outputs) if self.from_logits else outputs
+        labels = tf.cast(tf.random.stateless_uniform(tf.shape(outputs), seed)
+                         < tf.stop_gradient(probabilities), tf.float32)
+        if self.from_logits:
+            return tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels,
+                                                                         logits=outputs))
+        p = tf.clip_by_value(outputs, epsilon, 1.0 - epsilon)
+        return -tf.reduce_sum(labels * tf.math.log(p) + (1.0 - labels) * tf.math.log(1.0 - p))
+
+
+def output_distribution(loss):
+    """The :class:`OutputDistribution` a Keras loss (name, function or instance) implies;
+    ``ValueError`` for any other loss."""
+    if isinstance(loss, str):
+        name, from_logits = loss, False
+    elif isinstance(loss, keras.losses.Loss):
+        name = _LOSS_CLASSES.get(type(loss), "")
+        from_logits = bool(loss.get_config().get("from_logits", False))
+    elif callable(loss):
+        name, from_logits = getattr(loss, "__name__", ""), False
+    else:
+        name, from_logits = "", False
+    if name in _CATEGORICAL:
+        return OutputDistribution("categorical", from_logits)
+    if name in _BINARY:
+        return OutputDistribution("bernoulli", from_logits)
+    raise ValueError(
+        f"For 'THOR', fisher='sampled' draws labels from the model's output distribution, "
+        f"which it reads off the loss; supported losses: {SUPPORTED}. Got {loss!r}. Use "
+        f"fisher='empirical' for other losses.")
+
+
+class SampledFisher:
+    """The model-level half of the sampled-Fisher capture (one per connected model).
+
+    Layer captures call :meth:`observe` in the forward pass; the patched model ``call``
+    (:meth:`wrap`) opens the tape, draws the labels and writes the statistics.
+    """
+
+    def __init__(self, optimizer, is_statistics_step):
+        self.optimizer, self.is_statistics_step = optimizer, is_statistics_step
+        self._watched = None    # [(layer, block, statistics, inputs, output)] in a training call
+        self._tape = None
+
+    def observe(self, layer, block, statistics, inputs, outputs):
+        """In a training call: watch a treated layer's pre-activation output."""
+        if self._watched is None:
+            return outputs
+        outputs = tf.identity(outputs)
+        self._tape.watch(outputs)
+        self._watched.append((layer, block, statistics, inputs, outputs))
+        return outputs
+
+    def wrap(self, call):
+        def sampled_fisher_call(inputs, *args, **kwargs):
+            if not kwargs.get("training") or self._watched is not None:
+                return call(inputs, *args, **kwargs)
+            self._watched = []
+            try:
+                with tf.GradientTape(watch_accessed_variables=False) as tape:
+                    self._tape = tape
+                    outputs = call(inputs, *args, **kwargs)
+                    watched, self._watched = self._watched, None
+                    # Still recording: the tape must see the sampled loss (computed in the
+                    # branch) to differentiate it; _record stops it before the gradient.
+                    if watched:
+                        tf.cond(self.is_statistics_step(),
+                                lambda: self._record(tape, watched, outputs),
+                                lambda: tf.constant(False))
+            finally:
+                self._watched, self._tape = None, None
+            return outputs
+        return sampled_fisher_call
+
+    def _record(self, tape, watched, outputs):
+        if isinstance(outputs, (list, tuple, dict)):
+            raise ValueError("For 'THOR', fisher='sampled' needs a model with one output, "
+                             f"but this one returns {type(outputs).__name__}.")
+        distribution = self.optimizer.fisher_output_distribution()
+        context = tf.distribute.get_replica_context()
+        replicas = 1 if context is None else context.num_replicas_in_sync
+        replica = 0 if context is None else context.replica_id_in_sync_group
+        seed = tf.random.experimental.stateless_fold_in(
+            tf.stack([tf.constant(self.optimizer.seed, tf.int64),
+                      tf.convert_to_tensor(self.optimizer.iterations)]), replica)
+        batch = tf.cast(tf.shape(outputs)[0] * replicas, tf.float32)
+        loss = distribution.sampled_loss(outputs, seed) / batch
+        gradients = tape.gradient(loss, [entry[-1] for entry in watched])
+        writes = []
+        for (layer, block, statistics, inputs, _), gradient in zip(watched, gradients):
+            if gradient is None:     # the output does not depend on this call
+                continue
+            a, g, rows = block.statistics(layer, inputs, gradient * batch,
+                                          self.optimizer.block_size)
+            # Non-finite outputs: this call's statistics count as unobserved.
+            finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))
+            writes += [statistics.a.assign(tf.where(finite, a, tf.zeros_like(a))),
+                       statistics.g.assign(tf.where(finite, g, tf.zeros_like(g))),
+                       statistics.rows.assign(tf.where(finite, rows, 0.0))]
+        with tf.control_dependencies(writes):
+            return tf.constant(True)

@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2
 # Extra options for `tf-msopt compare` (the tests pass a shorter run).
 DEMO_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
@@ -32,8 +32,7 @@ demo: $(STAMP)
 # tests marked `ops_path` (code whose path differs without the custom ops and that does
 # not switch the path itself: the contract cases of the sign optimizers, LARS(SGD),
 # AdamOffload and THOR, and the sign modules; see tests/conftest.py); tests marked `once` (the
-# install, the docs build) never run there. `--dist loadgroup` keeps the contract suite's
-# shared fresh process on one worker. pytest exits 5 when it collected no test; any
+# install, the docs build) never run there. pytest exits 5 when it collected no test; any
 # non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

@@ -15,6 +15,7 @@ GPU kernels: with ``TF_MSOPT_BUILD_CUDA=1`` and ``nvcc`` on the PATH (or at
 newer) and linked into the same library, whose sources then see
 ``TF_MSOPT_WITH_CUDA``. If any CUDA step fails the CPU-only library is built.
 """
+import concurrent.futures
 import glob
 import os
 import shutil
@@ -84,25 +85,35 @@ class TensorFlowBuildExt(build_ext):
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
 
-        def gxx(objects=(), flags=()):
-            return ["g++", "-std=c++17", "-shared", "-fPIC", "-O3", "-Wno-deprecated-declarations",
-                    "-Wno-interference-size", *flags, *ext.sources, *objects, "-o", out,
-                    *tf.sysconfig.get_compile_flags(), *tf.sysconfig.get_link_flags()]
+        compile_flags = ["-std=c++17", "-fPIC", "-O3", "-Wno-deprecated-declarations",
+                         "-Wno-interference-size", *tf.sysconfig.get_compile_flags()]
+
+        def build(build_dir, objects=(), flags=()):
+            # One g++ per source, run together (each takes ~10 s of TensorFlow headers), then
+            # one link.
+            outputs = [os.path.join(build_dir, os.path.basename(source) + ".o")
+                       for source in ext.sources]
+            with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+                list(pool.map(subprocess.check_call,
+                              [["g++", *compile_flags, *flags, "-c", source, "-o", output]
+                               for source, output in zip(ext.sources, outputs)]))
+            subprocess.check_call(["g++", "-shared", *outputs, *objects, "-o", out,
+                                   *tf.sysconfig.get_link_flags()])
 
         with tempfile.TemporaryDirectory() as build_dir:
             cuda = build_cuda_objects(tf, build_dir)
             if cuda is not None:
                 try:
-                    subprocess.check_call(gxx(*cuda))
+                    build(build_dir, *cuda)
                     return
                 except (OSError, subprocess.CalledProcessError) as err:
-                    print(f"tf_msopt: linking the CUDA kernels failed ({err}); building CPU-only",
+                    print(f"tf_msopt: building with the CUDA kernels failed ({err}); building CPU-only",
                           file=sys.stderr)
-        try:
-            subprocess.check_call(gxx())
-        except (OSError, subprocess.CalledProcessError) as err:
-            print(f"tf_msopt: custom ops not built ({err}); the pure-TensorFlow path will be used",
-                  file=sys.stderr)
+            try:
+                build(build_dir)
+            except (OSError, subprocess.CalledProcessError) as err:
+                print(f"tf_msopt: custom ops not built ({err}); the pure-TensorFlow path will be "
+                      f"used", file=sys.stderr)
 
     def get_ext_filename(self, ext_name):
         # A plain name without the CPython ABI tag: the library is loaded with tf.load_op_library.

@@ -2,6 +2,7 @@
 with the custom loop of examples/multi_worker.py and end with the weights of single-process
 training on the global batch (DESIGN §6)."""
 import numpy as np
+import pytest
 
 from helpers import run_fresh_python, run_workers
 
@@ -20,20 +21,18 @@ TRAIN_ALL = f"""
     for name, loss_scale in {CONFIGS!r}:
         model = multi_worker.train(strategy, name, loss_scale, steps={STEPS})
         weights[f"{{name}} loss_scale={{loss_scale}}"] = [w.tolist() for w in model.get_weights()]
-    print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "weights": weights}}))
+    initial = [w.tolist() for w in multi_worker.make_model().get_weights()]
+    print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "weights": weights,
+                      "initial": initial}}))
 """
 
 
+@pytest.mark.slow
 def test_two_workers_equal_one_process_for_every_optimizer():
     single = run_fresh_python(TRAIN_ALL, timeout=600)
     workers = run_workers(TRAIN_ALL, timeout=600)
     assert single["replicas"] == 1
-    initial = run_fresh_python("""
-        import json, sys
-        sys.path.insert(0, "examples")
-        import multi_worker
-        print(json.dumps([w.tolist() for w in multi_worker.make_model().get_weights()]))
-    """)
+    initial = single["initial"]
     for result in workers:
         assert result["replicas"] == 2
         assert set(result["weights"]) == set(single["weights"]) and len(single["weights"]) == 10

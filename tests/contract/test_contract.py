@@ -116,18 +116,19 @@ print(json.dumps(results))
 """
 
 
-@pytest.fixture(scope="module")
-def keras_file_runs(tmp_path_factory):
-    """Every case saved to ``.keras`` after RESUME_BEFORE steps, resumed in ONE fresh process
-    (one TensorFlow start for the whole suite); with the uninterrupted runs to compare."""
-    directory = tmp_path_factory.mktemp("contract_keras")
+@pytest.mark.slow
+@pytest.mark.ops_path
+def test_keras_files_load_in_one_fresh_process_safe_mode_and_resume_exactly(tmp_path):
+    """Every case saved to ``.keras`` after RESUME_BEFORE steps and resumed in ONE fresh
+    process (one TensorFlow start for the whole suite, and one test so that pytest-xdist runs
+    it on one worker), against the uninterrupted run."""
     paths, uninterrupted = {}, {}
     for name in C.CASES:
         model = C.compiled(name)
         steps = C.batches(RESUME_BEFORE + RESUME_AFTER)
         for x, y in steps[:RESUME_BEFORE]:
             model.train_on_batch(x, y)
-        paths[name] = str(directory / f"{name}.keras")
+        paths[name] = str(tmp_path / f"{name}.keras")
         model.save(paths[name])
         for x, y in steps[RESUME_BEFORE:]:
             model.train_on_batch(x, y)
@@ -135,20 +136,17 @@ def keras_file_runs(tmp_path_factory):
                                type(model.optimizer).__name__)
     resumed = run_fresh_python(RESUME_CODE.format(paths=paths, before=RESUME_BEFORE,
                                                   after=RESUME_AFTER), timeout=600)
-    return uninterrupted, resumed
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("contract_fresh_process")
-@case
-def test_keras_file_loads_in_fresh_process_safe_mode_and_resumes_exactly(case, keras_file_runs):
-    uninterrupted, resumed = keras_file_runs
-    got = resumed[case]
-    assert "error" not in got, got.get("error")
-    want_weights, want_iterations, want_type = uninterrupted[case]
-    assert got["type"] == want_type
-    assert got["iterations"] == want_iterations == RESUME_BEFORE + RESUME_AFTER
-    assert_same(got["weights"], want_weights, rtol=0, atol=0)
+    failures = {}
+    for name, (want_weights, want_iterations, want_type) in uninterrupted.items():
+        got = resumed[name]
+        try:
+            assert "error" not in got, got.get("error")
+            assert got["type"] == want_type
+            assert got["iterations"] == want_iterations == RESUME_BEFORE + RESUME_AFTER
+            assert_same(got["weights"], want_weights, rtol=0, atol=0)
+        except AssertionError as error:
+            failures[name] = str(error)
+    assert not failures, failures
 
 
 @case

@@ -1,11 +1,12 @@
 """The documentation builds without warnings, and its runnable code does run.
 
 Convention in README.md and docs/*.md: a ```python block is a runnable example
-(the blocks of one page run in order in one namespace, in a fresh process, in a
-temporary directory); a ```py block is an excerpt (a signature or a fragment that
-needs the reader's data) and is not run. Shell blocks follow the same rule (```bash
+(the blocks of one page run in order in a namespace and a temporary directory of
+their own; all pages in one fresh process); a ```py block is an excerpt (a
+signature or a fragment that needs the reader's data) and is not run. Shell blocks follow the same rule (```bash
 runs, ```sh is an excerpt); tests/test_readme_commands.py runs them.
 """
+import json
 import os
 import re
 import subprocess
@@ -48,14 +49,44 @@ def test_every_page_is_in_the_navigation():
         assert os.path.basename(page) in nav, page
 
 
+# Runs each page's blocks in a namespace, a temporary directory and a Keras session of its
+# own, all pages in one process (one TensorFlow start); prints each failing page's traceback.
+RUN_PAGES = """
+import json, os, sys, tempfile, traceback
+import keras
+pages = json.loads(sys.argv[1])
+failed = []
+for page, code in pages.items():
+    keras.backend.clear_session()
+    with tempfile.TemporaryDirectory() as directory:
+        os.chdir(directory)
+        try:
+            exec(compile(code, page, "exec"), {"__name__": "__main__"})
+        except BaseException:
+            failed.append(page)
+            print(f"--- {page}:\\n{traceback.format_exc()}", file=sys.stderr)
+        os.chdir("/")
+print(json.dumps(failed))
+"""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("page", [p for p in PAGES if python_blocks(p)])
-def test_runnable_code_blocks_run(page, tmp_path):
-    code = "\n".join(python_blocks(page))
+def test_runnable_code_blocks_run():
+    pages = {page: "\n".join(python_blocks(page)) for page in PAGES if python_blocks(page)}
+    assert "README.md" in pages and len(pages) >= 5, sorted(pages)
+    # A page that sets up devices needs a process whose TensorFlow has not started yet.
+    own = [[page] for page, code in pages.items() if "set_logical_device_configuration" in code]
+    groups = own + [[page for page in pages if [page] not in own]]
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, f"{page}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    failures = {}
+    for group in groups:
+        result = subprocess.run(
+            [sys.executable, "-c", RUN_PAGES, json.dumps({page: pages[page] for page in group})],
+            env=env, capture_output=True, text=True, timeout=900)
+        failed = (json.loads(result.stdout.strip().splitlines()[-1]) if result.returncode == 0
+                  else group)
+        failures.update({page: result.stderr[-4000:] for page in failed})
+    assert not failures, "\n".join(f"{page}:\n{log}" for page, log in failures.items())
 
 
 IMPORT = re.compile(r"^\s*(from [\w.]+ import [\w, ]+|import [\w.]+(?: as \w+)?)\s*$", re.MULTILINE)

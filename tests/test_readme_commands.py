@@ -34,6 +34,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import tomllib
 import venv
 
 import pytest
@@ -187,9 +188,25 @@ def _copy_checkout(dest):
         "__pycache__", ".pytest_cache"))
 
 
+def test_isolated_build_requires_the_tensorflow_the_package_runs_with():
+    """A plain ``pip install .`` builds in isolation: pip installs the build requirements,
+    which must include the TensorFlow range the package itself requires."""
+    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
+        pyproject = tomllib.load(f)
+    build = [r.replace(" ", "") for r in pyproject["build-system"]["requires"]]
+    runtime = [r.replace(" ", "") for r in pyproject["project"]["dependencies"]]
+    tensorflow = [r for r in runtime if re.match(r"tensorflow\b", r)]
+    assert len(tensorflow) == 1 and tensorflow[0] in build, (build, runtime)
+    assert pyproject["build-system"]["build-backend"] == "setuptools.build_meta"
+
+
 @pytest.mark.slow
 @pytest.mark.once
 def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
+    """The README's commands, with pip building against the TensorFlow already installed (the
+    README's ``--no-build-isolation``): an isolated build would first install a second
+    TensorFlow into pip's build environment (about 45 s), which tests pip, not this package;
+    that the isolated build has TensorFlow to build against is checked from pyproject.toml."""
     assert commands_of("install") == [INSTALL, STATUS_CHECK]
     checkout, env_dir = tmp_path / "checkout", tmp_path / "venv"
     _copy_checkout(checkout)
@@ -200,8 +217,9 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     with open(os.path.join(site, "_dev_site_packages.pth"), "w") as f:
         f.write(sysconfig.get_paths()["purelib"] + "\n")   # tensorflow, keras, numpy
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    # pip reads PIP_NO_BUILD_ISOLATION inverted: "0" means --no-build-isolation.
     env.update(PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
-               VIRTUAL_ENV=str(env_dir), TF_CPP_MIN_LOG_LEVEL="2")
+               VIRTUAL_ENV=str(env_dir), TF_CPP_MIN_LOG_LEVEL="2", PIP_NO_BUILD_ISOLATION="0")
 
     outputs = []
     for command in (INSTALL, STATUS_CHECK):
@@ -214,7 +232,7 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     # The runtime dependencies came from the .pth, not from a download.
     assert re.search(r"Requirement already satisfied: tensorflow\b", outputs[0]), outputs[0]
     assert "Downloading tensorflow" not in outputs[0], outputs[0]
-    # The isolated build compiled the library into the installed package.
+    # The build compiled the library into the installed package.
     library = os.path.join(site, "tf_msopt", "ops", "_msopt_ops.so")
     assert os.path.exists(library), outputs[0]
     versions, status = outputs[1].strip().splitlines()[-2:]

@@ -34,7 +34,6 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
 import venv
 
 import pytest
@@ -191,13 +190,17 @@ def _copy_checkout(dest):
 def test_isolated_build_requires_the_tensorflow_the_package_runs_with():
     """A plain ``pip install .`` builds in isolation: pip installs the build requirements,
     which must include the TensorFlow range the package itself requires."""
-    with open(os.path.join(REPO_ROOT, "pyproject.toml"), "rb") as f:
-        pyproject = tomllib.load(f)
-    build = [r.replace(" ", "") for r in pyproject["build-system"]["requires"]]
-    runtime = [r.replace(" ", "") for r in pyproject["project"]["dependencies"]]
+    with open(os.path.join(REPO_ROOT, "pyproject.toml")) as f:
+        text = f.read()     # (tomllib is Python >= 3.11; the package supports 3.10)
+
+    def strings(key):
+        match = re.search(rf"^{key} = \[(.*?)\]", text, re.MULTILINE | re.DOTALL)
+        return re.findall(r'"([^"]+)"', re.sub(r"#.*", "", match.group(1)))
+
+    build, runtime = strings("requires"), strings("dependencies")
     tensorflow = [r for r in runtime if re.match(r"tensorflow\b", r)]
     assert len(tensorflow) == 1 and tensorflow[0] in build, (build, runtime)
-    assert pyproject["build-system"]["build-backend"] == "setuptools.build_meta"
+    assert re.search(r'^build-backend = "setuptools.build_meta"$', text, re.MULTILINE)
 
 
 @pytest.mark.slow

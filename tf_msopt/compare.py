@@ -69,13 +69,25 @@ def make_model(kind, input_shape, classes):
                              keras.layers.Dense(classes, activation="softmax")])
 
 
-def optimizer_factories(steps_per_epoch):
-    """Name -> factory(model); learning rates chosen per optimizer family on digits."""
+# THOR's recommended configuration per model (docs/thor.md, "Choosing a configuration", from
+# benchmarks/convergence.py on these models): Dense-only models get the options that make
+# K-FAC libraries converge (damping split by traces, sampled Fisher, moving averages, KL
+# clip); convolutional ones MindSpore's update.
+THOR_SETTINGS = {
+    "mlp": dict(learning_rate=0.03, damping=0.3, damping_mode="pi", fisher="sampled",
+                statistics_decay=0.95, kl_clip=1e-3, seed=0),
+    "cnn": dict(learning_rate=0.02, damping=0.05),
+}
+
+
+def optimizer_factories(steps_per_epoch, kind="mlp"):
+    """Name -> factory(model); learning rates chosen per optimizer family on digits, THOR's
+    configuration per model ``kind``."""
     import tf_msopt as mso
 
     return {
-        "THOR": lambda model: mso.thor(model, learning_rate=0.03, damping=0.3, momentum=0.9,
-                                       frequency=max(2, steps_per_epoch // 2)),
+        "THOR": lambda model: mso.thor(model, momentum=0.9, frequency=max(2, steps_per_epoch // 2),
+                                       **THOR_SETTINGS[kind]),
         "LARS": lambda model: mso.LARS(keras.optimizers.SGD(learning_rate=0.5, momentum=0.9),
                                        coefficient=0.01),
         "AdamOffload": lambda model: mso.AdamOffload(learning_rate=1e-3),
@@ -137,11 +149,11 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
     """
     split = load_npz_split(data, seed) if data else load_digits_split(seed)
     steps_per_epoch = -(-len(split[0]) // batch_size)
-    factories = optimizer_factories(steps_per_epoch)
-    unknown = set(optimizers or ()) - set(factories)
+    names = list(optimizer_factories(steps_per_epoch))
+    unknown = set(optimizers or ()) - set(names)
     if unknown:
-        raise ValueError(f"unknown optimizers {sorted(unknown)}; choose from {list(factories)}")
-    chosen = {k: v for k, v in factories.items() if not optimizers or k in optimizers}
+        raise ValueError(f"unknown optimizers {sorted(unknown)}; choose from {names}")
+    chosen = [name for name in names if not optimizers or name in optimizers]
     results = {}
     for kind in models:
         data_for_model = prepare(kind, split)
@@ -149,9 +161,10 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
         classes = int(max(split[2].max(), split[3].max())) + 1
         initial = make_model(kind, data_for_model[0].shape[1:], classes).get_weights()
         results[kind] = {}
-        for name, factory in chosen.items():
+        factories = optimizer_factories(steps_per_epoch, kind)
+        for name in chosen:
             print(f"\n== {kind}: {name}")
-            r = train_one(kind, factory, data_for_model, initial, epochs, batch_size, seed,
+            r = train_one(kind, factories[name], data_for_model, initial, epochs, batch_size, seed,
                           verbose)
             reached = first_reaching(r["val_accuracy"], target_accuracy)
             r["epochs_to_target"] = None if reached is None else reached + 1

@@ -8,6 +8,9 @@ PYTEST_ARGS ?= -n 2
 # Extra options for `tf-msopt compare` (the tests pass a shorter run).
 DEMO_ARGS ?=
 export TF_CPP_MIN_LOG_LEVEL ?= 2
+# setup.py reuses the objects of an identical earlier compilation (the tests that run the
+# README's `pip install .` and the CUDA fallback build rebuild the same sources).
+export TF_MSOPT_BUILD_CACHE ?= $(CURDIR)/$(VENV)/build-cache
 
 .PHONY: demo test bench docs venv clean
 

@@ -14,9 +14,15 @@ GPU kernels: with ``TF_MSOPT_BUILD_CUDA=1`` and ``nvcc`` on the PATH (or at
 ``TF_MSOPT_CUDA_ARCHS`` (default ``75;80;86;89;90``, CUDA 13 supports sm_75 and
 newer) and linked into the same library, whose sources then see
 ``TF_MSOPT_WITH_CUDA``. If any CUDA step fails the CPU-only library is built.
+
+``TF_MSOPT_BUILD_CACHE=DIR`` keeps each compiled C++ object in ``DIR`` under a hash of
+its command, source and the ``custom_ops`` headers, and reuses it when they have not
+changed (``make`` sets it to a folder of its virtualenv, so a rebuild against the same
+TensorFlow links the objects it already has).
 """
 import concurrent.futures
 import glob
+import hashlib
 import os
 import shutil
 import subprocess
@@ -73,6 +79,27 @@ def build_cuda_objects(tf, build_dir):
     return objects, ["-DTF_MSOPT_WITH_CUDA=1", f"-I{cuda_include}"]
 
 
+def compile_cached(command, source, output):
+    """Runs the compiler ``command`` (which writes ``output``), or copies the object a
+    previous identical compilation left in ``$TF_MSOPT_BUILD_CACHE``."""
+    cache = os.environ.get("TF_MSOPT_BUILD_CACHE")
+    if not cache:
+        subprocess.check_call(command)
+        return
+    key = hashlib.sha256(repr([part for part in command if part != output]).encode())
+    for path in [source, *sorted(glob.glob(os.path.join(HERE, "custom_ops", "*.h")))]:
+        with open(path, "rb") as f:
+            key.update(f.read())
+    cached = os.path.join(cache, key.hexdigest() + ".o")
+    if not os.path.exists(cached):
+        subprocess.check_call(command)
+        os.makedirs(cache, exist_ok=True)
+        partial = f"{cached}.{os.getpid()}.tmp"
+        shutil.copyfile(output, partial)
+        os.replace(partial, cached)   # atomic: concurrent builds may share the cache
+    shutil.copyfile(cached, output)
+
+
 class TensorFlowBuildExt(build_ext):
     """Compiles op libraries with g++ and TensorFlow's own compile/link flags."""
 
@@ -94,9 +121,10 @@ class TensorFlowBuildExt(build_ext):
             outputs = [os.path.join(build_dir, os.path.basename(source) + ".o")
                        for source in ext.sources]
             with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-                list(pool.map(subprocess.check_call,
+                list(pool.map(compile_cached,
                               [["g++", *compile_flags, *flags, "-c", source, "-o", output]
-                               for source, output in zip(ext.sources, outputs)]))
+                               for source, output in zip(ext.sources, outputs)],
+                              ext.sources, outputs))
             subprocess.check_call(["g++", "-shared", *outputs, *objects, "-o", out,
                                    *tf.sysconfig.get_link_flags()])
 

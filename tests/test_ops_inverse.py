@@ -259,3 +259,38 @@ def test_setup_builds_cpu_only_when_the_cuda_build_fails(tmp_path):
     symbols = subprocess.run(["nm", "-D", str(library)], capture_output=True, text=True).stdout
     assert "msopt_damped_inverse_f32" not in symbols  # no GPU kernel linked in
     assert "MsOptDampedInverse" in open(library, "rb").read().decode("latin-1")
+
+
+def _setup_function(name):
+    """A function of setup.py, without running setup() (its module level)."""
+    import ast
+    with open(os.path.join(REPO_ROOT, "setup.py")) as f:
+        tree = ast.parse(f.read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name)
+    namespace = {"os": os, "glob": glob, "hashlib": __import__("hashlib"), "shutil": shutil,
+                 "subprocess": subprocess, "HERE": REPO_ROOT}
+    exec(compile(ast.Module([node], []), "setup.py", "exec"), namespace)
+    return namespace[name]
+
+
+def test_build_cache_reuses_an_object_only_for_the_same_command_and_source(tmp_path,
+                                                                          monkeypatch):
+    compile_cached = _setup_function("compile_cached")
+    monkeypatch.setenv("TF_MSOPT_BUILD_CACHE", str(tmp_path / "cache"))
+    source, output, runs = tmp_path / "op.cc", tmp_path / "op.o", tmp_path / "runs"
+    # A stand-in compiler: writes the source's text to the object, counts its runs.
+    compiler = [sys.executable, "-c",
+                "import sys; open(sys.argv[2], 'w').write(open(sys.argv[1]).read()); "
+                "open(sys.argv[3], 'a').write('x')", str(source), str(output), str(runs)]
+
+    def build(text, flag="-O3"):
+        source.write_text(text)
+        output.unlink(missing_ok=True)
+        compile_cached([*compiler, flag], str(source), str(output))
+        return output.read_text(), len(runs.read_text())
+
+    assert build("v1") == ("v1", 1)
+    assert build("v1") == ("v1", 1)           # same command and source: the cached object
+    assert build("v2") == ("v2", 2)           # the source changed
+    assert build("v2", flag="-O2") == ("v2", 3)   # the command changed
+    assert build("v1") == ("v1", 3)

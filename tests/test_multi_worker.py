@@ -1,6 +1,8 @@
 """Every optimizer under MultiWorkerMirroredStrategy: two worker processes on localhost train
 with the custom loop of examples/multi_worker.py and end with the weights of single-process
-training on the global batch (DESIGN §6)."""
+training on the global batch (DESIGN §6). The same processes train THOR on the mixed model of
+tests/test_thor_distributed.py (Conv2D, Embedding, attention, LayerNorm), each worker feeding
+its half of every global batch."""
 import numpy as np
 import pytest
 
@@ -13,8 +15,12 @@ STEPS = 8
 TRAIN_ALL = f"""
     import json, sys
     sys.path.insert(0, "examples")
+    sys.path.insert(0, "tests")
+    import keras
     import tensorflow as tf
     import multi_worker
+    from test_thor_distributed import custom_loop_weights
+    from test_thor_training import mixed_model
 
     strategy = tf.distribute.MultiWorkerMirroredStrategy()
     weights = {{}}
@@ -22,8 +28,13 @@ TRAIN_ALL = f"""
         model = multi_worker.train(strategy, name, loss_scale, steps={STEPS})
         weights[f"{{name}} loss_scale={{loss_scale}}"] = [w.tolist() for w in model.get_weights()]
     initial = [w.tolist() for w in multi_worker.make_model().get_weights()]
+    shard = strategy.cluster_resolver.task_id if strategy.num_replicas_in_sync > 1 else None
+    keras.backend.clear_session()
+    mixed = [w.tolist() for w in custom_loop_weights(strategy, shard=shard)]
+    mixed_initial = [w.tolist() for w in mixed_model().get_weights()]
     print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "weights": weights,
-                      "initial": initial}}))
+                      "initial": initial, "thor_mixed": mixed,
+                      "thor_mixed_initial": mixed_initial}}))
 """
 
 
@@ -41,3 +52,8 @@ def test_two_workers_equal_one_process_for_every_optimizer():
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=config)
                 # and training moved the weights, so the comparison means something
                 assert np.abs(np.asarray(want) - np.asarray(start)).max() > 1e-4, config
+        for got, want, start in zip(result["thor_mixed"], single["thor_mixed"],
+                                    single["thor_mixed_initial"]):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg="thor mixed")
+        assert max(np.abs(np.asarray(w) - np.asarray(s)).max() for w, s in zip(
+            single["thor_mixed"], single["thor_mixed_initial"])) > 1e-4

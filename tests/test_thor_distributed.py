@@ -3,7 +3,6 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import run_workers
 from test_thor_training import assert_weights_close, mixed_data, mixed_model
 
 import tf_msopt as mso
@@ -35,23 +34,9 @@ def test_two_replicas_equal_one_device(two_cpu_strategy):
         np.testing.assert_array_equal(first, second)
 
 
-MULTI_WORKER = """
-import json, sys
-sys.path.insert(0, "tests")
-import keras, numpy as np, tensorflow as tf
-import tf_msopt as mso
-from test_thor_distributed import custom_loop_weights
-strategy = tf.distribute.MultiWorkerMirroredStrategy()
-worker = strategy.cluster_resolver.task_id
-weights = custom_loop_weights(strategy, shard=worker)
-print(json.dumps({"replicas": strategy.num_replicas_in_sync,
-                  "weights": [w.tolist() for w in weights]}))
-"""
-
-
 def custom_loop_weights(strategy, shard=None, steps=6, batch=16):
     """A custom loop (``strategy.run``) on global batches of ``batch``; with ``shard``, this
-    worker feeds its half of each batch."""
+    worker feeds its half of each batch (tests/test_multi_worker.py runs it on two workers)."""
     with strategy.scope():
         model = mixed_model()
         optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4)
@@ -78,9 +63,3 @@ def custom_loop_weights(strategy, shard=None, steps=6, batch=16):
     return model.get_weights()
 
 
-@pytest.mark.slow
-def test_two_workers_equal_one_device():
-    single = custom_loop_weights(tf.distribute.get_strategy())
-    for result in run_workers(MULTI_WORKER):
-        assert result["replicas"] == 2
-        assert_weights_close([np.asarray(w) for w in result["weights"]], single, rtol=1e-5)

@@ -18,6 +18,20 @@ def test_a_missing_method_is_named(monkeypatch, owner, name):
         compat.check()
 
 
+FUNCTIONS = [(module, dotted) for module, dotted, _ in compat._FUNCTIONS]
+
+
+@pytest.mark.parametrize("module, dotted", FUNCTIONS, ids=[d for _, d in FUNCTIONS])
+def test_a_missing_function_is_named(monkeypatch, module, dotted):
+    *parents, name = dotted.split(".")
+    owner = module
+    for part in parents:
+        owner = getattr(owner, part)
+    monkeypatch.setattr(owner, name, None)
+    with pytest.raises(compat.KerasCompatibilityError, match=rf"{dotted}.*does not exist"):
+        compat.check()
+
+
 def test_a_changed_signature_is_named(monkeypatch):
     monkeypatch.setattr(keras.optimizers.Optimizer, "_backend_update_step",
                         lambda self, grads, variables, learning_rate: None)

@@ -195,6 +195,22 @@ def test_statistics_only_on_thor_steps():
     assert all(not np.array_equal(b, a) for b, a in zip(after_thor, snapshot()))
 
 
+def test_inversion_graph_traced_once_for_a_smaller_last_batch():
+    """Keras traces its train step again for the last, smaller batch of an epoch; the
+    inversion part, which does not depend on the batch size, is built only once."""
+    x, y = digits()
+    model = digits_mlp()
+    optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=2)
+    traces = []
+    update_variables = optimizer.update_variables
+    optimizer.update_variables = lambda *args: (traces.append(1), update_variables(*args))[1]
+    model.compile(optimizer=optimizer,
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x[:150], y[:150], batch_size=64, epochs=1, verbose=0)   # 64, 64 and 22
+    assert len(traces) == 2 and optimizer.iterations.numpy() == 3
+    assert optimizer._traced_refresh._traced.experimental_get_tracing_count() == 1
+
+
 def test_singular_statistics_keep_weights_finite(inverse_path):
     """An all-zero input feature and unused tokens with damping 0: retried, never NaN.
     (Without attention: undamped attention steps diverge, which is not what this checks.)"""

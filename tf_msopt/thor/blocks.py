@@ -9,6 +9,7 @@ its padded part never touches a real entry.
 import math
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 __all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "robust_inverses",
@@ -35,10 +36,13 @@ class BlockLayout(NamedTuple):
     def padding(self):
         return self.count * self.size - self.dim
 
-    def padding_diagonal(self):
-        """``[count, size, size]``: 1 on the diagonal of padded positions, else 0."""
-        mask = tf.concat([tf.zeros([self.dim]), tf.ones([self.padding])], axis=0)
-        return tf.linalg.diag(tf.reshape(mask, [self.count, self.size]))
+    def with_padding_identity(self, blocks):
+        """``blocks`` (``[count, size, size]``, zero on padded positions) with a 1 on the
+        diagonal of each padded position; a constant, built once per trace."""
+        if not self.padding:
+            return blocks
+        mask = (np.arange(self.count * self.size) >= self.dim).reshape(self.count, 1, self.size)
+        return blocks + tf.constant(np.eye(self.size, dtype=np.float32) * mask, blocks.dtype)
 
 
 def _split_columns(matrix, layout):
@@ -131,12 +135,15 @@ def _robust_inverse_group(factors):
 
     counts = [m.shape[0] for m, _, _ in factors]
     matrices = tf.concat([m for m, _, _ in factors], axis=0) if len(factors) > 1 else factors[0][0]
-    dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
-                          for count, (_, damping, _) in zip(counts, factors)], axis=0)
+    if all(damping is factors[0][1] for _, damping, _ in factors):
+        dampings = tf.cast(factors[0][1], matrices.dtype)    # one for every block
+    else:
+        dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
+                              for count, (_, damping, _) in zip(counts, factors)], axis=0)
     diagonal = tf.linalg.diag_part(matrices)
 
     def invert(block_dampings):
-        damped = tf.linalg.set_diag(matrices, diagonal + block_dampings[:, None])
+        damped = tf.linalg.set_diag(matrices, diagonal + tf.reshape(block_dampings, [-1, 1]))
         return damped_inverse_with_status(damped, 0.0)
 
     inverses, ok = invert(dampings)

@@ -220,10 +220,10 @@ class KroneckerBlock(CurvatureBlock):
 
     def inversion_factors(self, a, g, damping, previous, block_size):
         return [(self.padded_a(a, block_size), damping[0], previous[0]),
-                (g + self.g_layout(block_size).padding_diagonal(), damping[1], previous[1])]
+                (self.g_layout(block_size).with_padding_identity(g), damping[1], previous[1])]
 
     def padded_a(self, a, block_size):
-        return a + self.a_layout(block_size).padding_diagonal()
+        return self.a_layout(block_size).with_padding_identity(a)
 
     def mean_eigenvalues(self, a, g, block_size):
         # Statistics are zero on padded positions (the 1s are added when inverting).

@@ -287,6 +287,7 @@ class THOR(MindSporeOptimizer):
         self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
         self._rules = None
+        self._traced_refresh = _TracedOnce(self._refresh_bucket)
         self._thor_initialised = True
 
     # --- layers and connection
@@ -555,7 +556,7 @@ class THOR(MindSporeOptimizer):
                     self.a_inverses[bucket[0]])
                 statistics = [reduced[3 * offset:3 * offset + 3]
                               for offset in range(len(bucket))]
-                _on_each_device(distribution, self.a_inverses[bucket[0]], self._refresh_bucket,
+                _on_each_device(distribution, self.a_inverses[bucket[0]], self._traced_refresh,
                                 (bucket, statistics, damping, g_scale))
             return tf.constant(True)
 
@@ -755,6 +756,23 @@ def _on_each_device(distribution, variable, fn, args):
     if not tf.distribute.in_cross_replica_context():
         return fn(variable.value, *args)
     return distribution.extended.update(variable.value, fn, args=args, group=False)
+
+
+class _TracedOnce:
+    """Calls ``fn`` through one ``tf.function`` while a graph is traced, plainly when eager.
+
+    Keras traces its train step again for a last, smaller batch; the statistics and
+    inverses do not depend on the batch size, so the second trace reuses their graph
+    instead of building it again (tracing dominates a short run's first epoch). Not
+    itself a ``tf.function``, so a SavedModel export does not try to save it.
+    """
+
+    def __init__(self, fn):
+        self._fn = fn
+        self._traced = tf.function(fn, autograph=False)
+
+    def __call__(self, *args):
+        return self._fn(*args) if tf.executing_eagerly() else self._traced(*args)
 
 
 def _handle(variable):

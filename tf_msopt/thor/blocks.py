@@ -71,12 +71,18 @@ def left_multiply(blocks, layout, matrix):
 
 
 def right_multiply(matrix, blocks, layout):
-    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``."""
+    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``: one product per
+    column block (cheaper than transposing ``matrix`` into a batch of blocks and back)."""
     if layout.count == 1 and not layout.padding:
         return tf.matmul(matrix, blocks[0])
-    product = tf.matmul(_split_columns(matrix, layout), blocks)      # [count, k, size]
-    product = tf.reshape(tf.transpose(product, [1, 0, 2]), [tf.shape(matrix)[0], -1])
-    return product[:, :layout.dim]
+    width = layout.size - layout.padding          # of the last column block
+    columns = tf.split(matrix, [layout.size] * (layout.count - 1) + [width], axis=1)
+    if layout.padding:
+        columns[-1] = tf.pad(columns[-1], [[0, 0], [0, layout.padding]])
+    products = [tf.matmul(column, block)
+                for column, block in zip(columns, tf.unstack(blocks, num=layout.count))]
+    products[-1] = products[-1][:, :width]
+    return tf.concat(products, axis=1)
 
 
 def _retry_damping(diagonal, damping):

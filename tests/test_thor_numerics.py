@@ -388,3 +388,29 @@ def test_failed_blocks_retry_then_keep_previous(inverse_path):
         tf.constant([0.0, 2.0]), 0.0, tf.constant([5.0, 5.0]))
     assert np.all(np.isfinite(reciprocal.numpy())) and reciprocal.numpy()[1] == 0.5
     assert (int(retried), int(kept)) == (1, 0)
+
+
+def test_factors_inverted_together_count_only_used_factors(inverse_path):
+    """Several factors in one call: blocks of one size share the inversion; a factor not
+    used (its layer saw no rows) keeps its previous value and adds to no count."""
+    singular = np.diag([1.0, 0.0]).astype("float32")
+    poisoned = np.array([[np.nan, 0.0], [0.0, 1.0]], "float32")
+    healthy = np.eye(2, dtype="float32") * 4.0
+    factors = [(np.stack([singular, healthy]), 7.0), (np.stack([poisoned]), 8.0),
+               (np.stack([singular]), 9.0), (np.array([0.0, 4.0], "float32"), 5.0)]
+    for use in ([True, True, True, True], [True, False, False, True],
+                [False, True, True, False]):
+        inverses, retried, kept = blocks.robust_inverses(
+            [(tf.constant(m), 0.0, tf.fill(m.shape, p)) for m, p in factors],
+            [tf.constant(u) for u in use])
+        expected_retried, expected_kept = 0, 0
+        for (matrix, previous), inverse, used in zip(factors, inverses, use):
+            alone, tried, failed = (blocks.robust_reciprocal if matrix.ndim == 1
+                                    else blocks.robust_inverse)(
+                tf.constant(matrix), 0.0, tf.fill(matrix.shape, previous))
+            expected = alone.numpy() if used else np.full(matrix.shape, previous)
+            np.testing.assert_array_equal(inverse.numpy(), expected)
+            expected_retried += int(tried) if used else 0
+            expected_kept += int(failed) if used else 0
+        assert (int(retried), int(kept)) == (expected_retried, expected_kept)
+    assert (expected_retried, expected_kept) == (2, 1)      # the last round: [F, T, T, F]

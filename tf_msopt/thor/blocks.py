@@ -108,39 +108,53 @@ def robust_inverse(matrices, damping, previous):
         ``(inverses, retried, kept)``: the blocks, and how many blocks needed a
         retry and how many kept their previous value (int64 scalars).
     """
-    return _robust_inverse_group([(matrices, damping, previous)])[0]
+    (inverse,), retried, kept = robust_inverses([(matrices, damping, previous)])
+    return inverse, retried, kept
 
 
-def robust_inverses(factors):
+def robust_inverses(factors, use=None):
     """:func:`robust_inverse` (blocks ``[count, n, n]``) or :func:`robust_reciprocal`
     (diagonals ``[n]``) of several factors ``[(statistics, damping, previous)]`` at once:
     the blocks of every factor of one size go to one inversion call, with one retry branch.
+    ``use`` (a scalar bool per factor, all true if not given): a factor not used keeps
+    ``previous`` and counts nothing.
 
     Returns:
-        ``[(inverse, retried, kept)]``, one per factor.
+        ``(inverses, retried, kept)``: one inverse per factor, and how many blocks of the
+        used factors needed a retry and kept their previous value (int64 scalars).
     """
-    results = [None] * len(factors)
+    use = [tf.constant(True)] * len(factors) if use is None else use
+    inverses, retried, kept = [None] * len(factors), [], []
     sizes = {}
     for i, (statistics, damping, previous) in enumerate(factors):
         if statistics.shape.rank == 1:
-            results[i] = robust_reciprocal(statistics, damping, previous)
+            inverse, tried, failed = robust_reciprocal(statistics, damping, previous)
+            inverses[i] = tf.where(use[i], inverse, previous)
+            retried.append(tf.where(use[i], tried, tf.zeros_like(tried)))
+            kept.append(tf.where(use[i], failed, tf.zeros_like(failed)))
         else:
             sizes.setdefault(statistics.shape[-1], []).append(i)
     for indices in sizes.values():
-        group = _robust_inverse_group([factors[i] for i in indices])
-        for i, result in zip(indices, group):
-            results[i] = result
-    return results
+        group, tried, failed = _robust_inverse_group([factors[i] for i in indices],
+                                                     [use[i] for i in indices])
+        for i, inverse in zip(indices, group):
+            inverses[i] = inverse
+        retried.append(tried)
+        kept.append(failed)
+    return inverses, tf.add_n(retried), tf.add_n(kept)
 
 
-def _robust_inverse_group(factors):
-    """:func:`robust_inverse` of factors whose blocks have one size, in one call. Each
+def _robust_inverse_group(factors, use):
+    """:func:`robust_inverses` of factors whose blocks have one size, in one call. Each
     block's damping is added to its diagonal first (bit-identical to the op adding it:
     one addition either way)."""
     from tf_msopt.ops.inverse import damped_inverse_with_status
 
+    def joined(tensors):
+        return tf.concat(tensors, axis=0) if len(tensors) > 1 else tensors[0]
+
     counts = [m.shape[0] for m, _, _ in factors]
-    matrices = tf.concat([m for m, _, _ in factors], axis=0) if len(factors) > 1 else factors[0][0]
+    matrices = joined([m for m, _, _ in factors])
     if all(damping is factors[0][1] for _, damping, _ in factors):
         dampings = tf.cast(factors[0][1], matrices.dtype)    # one for every block
     else:
@@ -161,11 +175,14 @@ def _robust_inverse_group(factors):
 
     inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
     ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
-    split = (lambda x: [x]) if len(factors) == 1 else (lambda x: tf.split(x, counts))
-    return [(tf.where(good[:, None, None], inverse, previous), _count(tried),
-             _count(tf.logical_not(good)))
-            for inverse, good, tried, (_, _, previous)
-            in zip(split(inverses), split(ok), split(retried), factors)]
+    # Which factor each block belongs to is known when tracing: one gather, not one op per
+    # factor.
+    used = tf.gather(tf.stack(use), np.repeat(np.arange(len(factors)), counts))
+    updated = ok & used
+    inverses = tf.where(tf.reshape(updated, [-1, 1, 1]), inverses,
+                        joined([previous for _, _, previous in factors]))
+    split = [inverses] if len(factors) == 1 else tf.split(inverses, counts)
+    return split, _count(retried & used), _count(used & tf.logical_not(ok))
 
 
 def robust_reciprocal(diagonal, damping, previous):

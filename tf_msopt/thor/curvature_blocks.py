@@ -135,9 +135,9 @@ class CurvatureBlock:
     def invert(self, a, g, damping, previous, block_size):
         """New ``(a_inverse, g_inverse)`` of this layer alone, and the counts of blocks that
         were retried and that kept their ``previous`` inverse."""
-        results = robust_inverses(self.inversion_factors(a, g, damping, previous, block_size))
-        inverses, retried, kept = zip(*results)
-        return inverses, tf.add_n(retried), tf.add_n(kept)
+        inverses, retried, kept = robust_inverses(
+            self.inversion_factors(a, g, damping, previous, block_size))
+        return tuple(inverses), retried, kept
 
     def mean_eigenvalues(self, a, g, block_size):
         """``(tr A / dim A, tr G / dim G)`` over real dimensions (padding excluded)."""

@@ -627,21 +627,20 @@ class THOR(MindSporeOptimizer):
     def _assign_inverses(self, layers):
         """Inverts every factor of ``layers`` (blocks of one size in one call) and assigns
         them where the layer is ``observed``."""
-        factors, previous = [], []
+        factors, use = [], []
         for index, a, g, observed, layer_damping in layers:
             old = (tf.convert_to_tensor(self.a_inverses[index]),
                    tf.convert_to_tensor(self.g_inverses[index]))
-            previous.append(old)
             factors += self._factored_blocks[index].inversion_factors(
                 a, g, layer_damping, old, self.block_size)
-        results = iter(robust_inverses(factors))
-        zero = tf.zeros((), tf.int64)
-        for (index, _, _, observed, _), old in zip(layers, previous):
-            (a_new, a_retried, a_kept), (g_new, g_retried, g_kept) = next(results), next(results)
-            self.assign(self.a_inverses[index], tf.where(observed, a_new, old[0]))
-            self.assign(self.g_inverses[index], tf.where(observed, g_new, old[1]))
-            self.assign_add(self.damping_retries, tf.where(observed, a_retried + g_retried, zero))
-            self.assign_add(self.failed_inverses, tf.where(observed, a_kept + g_kept, zero))
+            use += [observed, observed]
+        inverses, retried, kept = robust_inverses(factors, use)
+        inverses = iter(inverses)
+        for index, *_ in layers:
+            self.assign(self.a_inverses[index], next(inverses))
+            self.assign(self.g_inverses[index], next(inverses))
+        self.assign_add(self.damping_retries, retried)
+        self.assign_add(self.failed_inverses, kept)
         return tf.constant(True)
 
     def _trace_rule(self, index, trace, observed):

@@ -414,3 +414,21 @@ def test_factors_inverted_together_count_only_used_factors(inverse_path):
             expected_kept += int(failed) if used else 0
         assert (int(retried), int(kept)) == (expected_retried, expected_kept)
     assert (expected_retried, expected_kept) == (2, 1)      # the last round: [F, T, T, F]
+
+
+def test_retries_compiled_equal_plain(inverse_path):
+    """Compiled (XLA: static shapes) every block is retried under a conditional, plainly
+    only the failed blocks are gathered and inverted again: the same results."""
+    singular = np.diag([1.0, 0.0]).astype("float32")
+    poisoned = np.array([[np.nan, 0.0], [0.0, 1.0]], "float32")
+    healthy = np.eye(2, dtype="float32") * 4.0
+    matrices = tf.constant(np.stack([healthy, singular, poisoned, singular * 3.0]))
+    previous = tf.fill(matrices.shape, 7.0)
+
+    def invert(matrices, previous):
+        return blocks.robust_inverse(matrices, 0.0, previous)
+
+    plain = invert(matrices, previous)
+    compiled = tf.function(invert, jit_compile=True)(matrices, previous)
+    np.testing.assert_allclose(compiled[0].numpy(), plain[0].numpy(), rtol=1e-6)
+    assert [int(c) for c in compiled[1:]] == [int(p) for p in plain[1:]] == [3, 1]

@@ -211,16 +211,22 @@ def test_inversion_graph_traced_once_for_a_smaller_last_batch():
     assert optimizer._traced_refresh._traced.experimental_get_tracing_count() == 1
 
 
-def test_singular_statistics_keep_weights_finite(inverse_path):
-    """An all-zero input feature and unused tokens with damping 0: retried, never NaN.
-    (Without attention: undamped attention steps diverge, which is not what this checks.)"""
+def train_singular(xla=False):
+    """An all-zero input feature and unused tokens with damping 0 (without attention:
+    undamped attention steps diverge, which is not what this is for)."""
     model = mixed_model(attention=False)
     optimizer = mso.thor(model, 0.05, 0.0, 0.9, frequency=2, block_size=4)
-    model.compile(optimizer=optimizer, loss="mse")
+    model.compile(optimizer=optimizer, loss="mse", jit_compile=xla)
     (image, ids), y = mixed_data()
     image[..., :3, :] = 0.0                              # zero patches rows for the conv
     ids[:] = np.minimum(ids, 2)                          # tokens 3..6 never seen
     model.fit([image, ids], y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model, optimizer
+
+
+def test_singular_statistics_keep_weights_finite(inverse_path):
+    """Singular statistics are retried with more damping, never NaN."""
+    model, optimizer = train_singular()
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
     assert all(np.all(np.isfinite(v.numpy())) for v in optimizer.variables)
     assert int(optimizer.damping_retries.numpy()) > 0

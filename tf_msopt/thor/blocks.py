@@ -12,6 +12,8 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
+from tf_msopt._common import in_xla_context
+
 __all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "robust_inverses",
            "left_multiply", "right_multiply", "robust_reciprocal"]
 
@@ -162,18 +164,30 @@ def _robust_inverse_group(factors, use):
                               for count, (_, damping, _) in zip(counts, factors)], axis=0)
     diagonal = tf.linalg.diag_part(matrices)
 
-    def invert(block_dampings):
-        damped = tf.linalg.set_diag(matrices, diagonal + tf.reshape(block_dampings, [-1, 1]))
+    def invert(blocks, block_diagonal, block_dampings):
+        damped = tf.linalg.set_diag(blocks, block_diagonal + tf.reshape(block_dampings, [-1, 1]))
         return damped_inverse_with_status(damped, 0.0)
 
-    inverses, ok = invert(dampings)
+    inverses, ok = invert(matrices, diagonal, dampings)
     retried = tf.logical_not(ok)
+    if in_xla_context():
+        # Compiled code needs static shapes: every block is retried, under a conditional.
+        def retry():
+            second, second_ok = invert(matrices, diagonal, _retry_damping(diagonal, dampings))
+            return tf.where(ok[:, None, None], inverses, second), ok | second_ok
 
-    def retry():
-        second, second_ok = invert(_retry_damping(diagonal, dampings))
-        return tf.where(ok[:, None, None], inverses, second), ok | second_ok
-
-    inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
+        inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
+    else:
+        # Only the failed blocks (usually none) are inverted again, with no conditional:
+        # one costs far more to build and start than a few ops on an empty batch.
+        failed = tf.where(retried)
+        failed_diagonal = tf.gather_nd(diagonal, failed)
+        if dampings.shape.rank:
+            dampings = tf.gather_nd(dampings, failed)
+        second, second_ok = invert(tf.gather_nd(matrices, failed), failed_diagonal,
+                                   _retry_damping(failed_diagonal, dampings))
+        inverses = tf.tensor_scatter_nd_update(inverses, failed, second)
+        ok = tf.tensor_scatter_nd_update(ok, failed, second_ok)
     ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
     # Which factor each block belongs to is known when tracing: one gather, not one op per
     # factor.

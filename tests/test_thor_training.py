@@ -195,19 +195,45 @@ def test_statistics_only_on_thor_steps():
     assert all(not np.array_equal(b, a) for b, a in zip(after_thor, snapshot()))
 
 
-def test_inversion_graph_traced_once_for_a_smaller_last_batch():
-    """Keras traces its train step again for the last, smaller batch of an epoch; the
-    inversion part, which does not depend on the batch size, is built only once."""
-    x, y = digits()
-    model = digits_mlp()
-    optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=2)
+def counting_update_traces(optimizer):
     traces = []
     update_variables = optimizer.update_variables
     optimizer.update_variables = lambda *args: (traces.append(1), update_variables(*args))[1]
+    return traces
+
+
+def test_fit_builds_thor_before_tracing_its_train_step():
+    """A tf.function whose first trace creates variables is traced again; fit builds the
+    optimizer first (as Keras does under a strategy), so the train step is traced once."""
+    x, y = digits()
+    model = digits_mlp()
+    optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=2)
+    traces = counting_update_traces(optimizer)
     model.compile(optimizer=optimizer,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    assert not optimizer.built
     model.fit(x[:150], y[:150], batch_size=64, epochs=1, verbose=0)   # 64, 64 and 22
-    assert len(traces) == 2 and optimizer.iterations.numpy() == 3
+    assert len(traces) == 1 and optimizer.iterations.numpy() == 3
+
+
+def test_inversion_graph_traced_once_when_a_custom_step_is_traced_twice():
+    """A custom step whose first trace builds THOR is traced twice; the inversion part,
+    which does not depend on the batch, is built once."""
+    x, y = digits()
+    model = digits_mlp()
+    optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=2)
+    traces = counting_update_traces(optimizer)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        optimizer.apply(tape.gradient(value, model.trainable_variables),
+                        model.trainable_variables)
+
+    step(x[:64], y[:64])
+    assert len(traces) == 2 and optimizer.iterations.numpy() == 1
     assert optimizer._traced_refresh._traced.experimental_get_tracing_count() == 1
 
 

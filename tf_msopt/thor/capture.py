@@ -24,7 +24,7 @@ from tf_msopt.thor.curvature_blocks import block_for
 
 __all__ = ["LayerStatistics", "ReportRow", "install", "survey"]
 
-_ORIGINAL_CALL = "_tf_msopt_thor_original_call"
+_ORIGINAL = "_tf_msopt_thor_original_{}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,21 +148,38 @@ class _Capture:
         return tf.cond(self.is_statistics_step(), write, lambda: tf.constant(False))
 
 
-def _patch_call(layer, make_call):
-    """Replaces ``layer.call`` by ``make_call(original call)`` (undoing an earlier patch)."""
-    original = layer.__dict__.get(_ORIGINAL_CALL, layer.call)
-    object.__setattr__(layer, _ORIGINAL_CALL, original)
-    object.__setattr__(layer, "call", make_call(original))
+def _patch(target, name, make):
+    """Replaces ``target.<name>`` by ``make(original)`` (an instance attribute; the class is
+    untouched; an earlier patch is undone first)."""
+    key = _ORIGINAL.format(name)
+    original = target.__dict__.get(key, getattr(target, name))
+    object.__setattr__(target, key, original)
+    object.__setattr__(target, name, make(original))
 
 
 def install(layer, block, statistics, batch, is_statistics_step, block_size, sampled=None):
     """Patches ``layer.call`` to capture ``block``'s statistics (replacing an earlier patch);
     with ``sampled`` (a :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer
     hands its statistics' inputs to it instead of recording them itself."""
-    _patch_call(layer, lambda original: _Capture(layer, block, original, statistics, batch,
-                                                 is_statistics_step, block_size, sampled))
+    _patch(layer, "call", lambda original: _Capture(layer, block, original, statistics, batch,
+                                                    is_statistics_step, block_size, sampled))
 
 
 def install_model(model, sampled):
-    """Patches ``model.call`` for the sampled Fisher; ``sampled=None`` removes the patch."""
-    _patch_call(model, lambda original: original if sampled is None else sampled.wrap(original))
+    """Patches ``model.call`` for the sampled Fisher (``sampled=None`` removes that patch),
+    and ``model.make_train_function`` to build the model's optimizer before the train step
+    is traced."""
+    _patch(model, "call", lambda original: original if sampled is None else sampled.wrap(original))
+
+    def build_first(original):
+        def make_train_function(*args, **kwargs):
+            optimizer = getattr(model, "optimizer", None)
+            if optimizer is not None and not optimizer.built:
+                # What Keras itself does under a distribution strategy. Otherwise Keras builds
+                # it inside the first trace, and a tf.function whose first trace creates
+                # variables is traced twice: THOR's step takes most of a short first epoch.
+                optimizer.build(model.trainable_variables)
+            return original(*args, **kwargs)
+        return make_train_function
+
+    _patch(model, "make_train_function", build_first)

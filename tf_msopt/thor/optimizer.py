@@ -760,10 +760,11 @@ def _on_each_device(distribution, variable, fn, args):
 class _TracedOnce:
     """Calls ``fn`` through one ``tf.function`` while a graph is traced, plainly when eager.
 
-    Keras traces its train step again for a last, smaller batch; the statistics and
-    inverses do not depend on the batch size, so the second trace reuses their graph
-    instead of building it again (tracing dominates a short run's first epoch). Not
-    itself a ``tf.function``, so a SavedModel export does not try to save it.
+    A step whose first trace builds the optimizer (a custom loop's first ``apply``) is
+    traced twice; the statistics and inverses do not depend on the batch, so the second
+    trace reuses their graph. Even traced once, a train step builds faster so (digits MLP,
+    first ``fit`` epoch: 1.10x Adam's against 1.17x). Not itself a ``tf.function``, so a
+    SavedModel export does not try to save it.
     """
 
     def __init__(self, fn):

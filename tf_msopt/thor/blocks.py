@@ -117,7 +117,8 @@ def robust_inverse(matrices, damping, previous):
 def robust_inverses(factors, use=None):
     """:func:`robust_inverse` (blocks ``[count, n, n]``) or :func:`robust_reciprocal`
     (diagonals ``[n]``) of several factors ``[(statistics, damping, previous)]`` at once:
-    the blocks of every factor of one size go to one inversion call, with one retry branch.
+    the blocks of every factor of one size go to one inversion call, and its failed blocks
+    to one more.
     ``use`` (a scalar bool per factor, all true if not given): a factor not used keeps
     ``previous`` and counts nothing.
 

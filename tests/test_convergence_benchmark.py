@@ -90,3 +90,39 @@ def test_saved_results_tabulate_again_with_misses_as_infinite(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| THOR | lr=0.1 damping=0.3 | 3, -, 4 | 4 | 1.20 | inside, 1 settings |" in out
     assert "WARNING" not in out                  # a grid of one setting has no edge
+
+
+def test_best_accuracy_by_epoch_bounds_every_setting_per_seed():
+    settings = {"a": {"val_accuracy": [[0.90, 0.95, 0.97], [0.80, 0.96], [0.91, 0.92, 0.99]]},
+                "b": {"val_accuracy": [[0.93, 0.94], [0.97], [0.85, 0.95]]}}
+    # Seed 1's run "b" stopped at the target after one epoch: its last accuracy counts.
+    assert convergence.best_accuracy_by_epoch(settings, 1) == [0.93, 0.97, 0.91]
+    assert convergence.best_accuracy_by_epoch(settings, 2) == [0.95, 0.97, 0.95]
+    assert convergence.best_accuracy_by_epoch(settings, 3) == [0.97, 0.97, 0.99]
+
+
+def test_epochs_for_half_rounds_down_from_the_best_first_order_optimizer():
+    inf = math.inf
+    assert convergence.epochs_for_half({"Adam": ("a", 7, 2.0), "SGD-momentum": ("b", 5, 1.0),
+                                        "THOR": ("c", 1, 9.0)}) == 2
+    assert convergence.epochs_for_half({"Adam": ("a", 6, 2.0),
+                                        "SGD-momentum": ("b", inf, inf)}) == 3
+    assert convergence.epochs_for_half({"Adam": ("a", inf, inf)}) is None
+
+
+def test_report_says_whether_half_the_epochs_is_within_reach_of_the_grid(capsys):
+    def setting(accuracies):
+        epochs = [convergence.first_reaching(a, 0.97) for a in accuracies]
+        epochs = [math.inf if e is None else e + 1 for e in epochs]
+        return {"epochs": epochs, "seconds": [1.0 if math.isfinite(e) else math.inf
+                                              for e in epochs],
+                "val_accuracy": accuracies, "epoch_seconds": [[0.5] * len(a)
+                                                              for a in accuracies]}
+    runs = {"THOR": {"x": setting([[0.96, 0.97], [0.96, 0.95, 0.97], [0.9, 0.96, 0.97]])},
+            "Adam": {"y": setting([[0.9, 0.95, 0.96, 0.97]] * 3)}}
+    summary = convergence.report({"mlp": {"target": 0.97, "seeds": [0, 1, 2], "runs": runs}})
+    reach = summary["mlp"]["best_accuracy_by_epoch"]
+    assert reach == {"epochs": 2, "THOR": [0.97, 0.96, 0.96], "Adam": [0.95, 0.95, 0.95]}
+    out = capsys.readouterr().out
+    assert "0.97 within 2 epoch(s)" in out
+    assert "THOR: 0.970, 0.960, 0.960 (median 0.960: out of reach)" in out

@@ -22,10 +22,11 @@ each optimizer by its best setting; a best setting on the edge of its grid is
 flagged (the grid should be widened). Wall time is the sum of the epochs' times
 up to the target, each timed by a Keras callback from ``on_epoch_begin`` to
 ``on_epoch_end`` (validation included; the first epoch includes tracing, as a user
-of ``fit`` sees it); not around ``fit``, which can return seconds after the last
-epoch. When ``kfac_jax`` is importable, the same models are also trained with
-kfac-jax (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install
-line), timed the same way.
+of ``fit`` sees it, and ``fit``'s setup before ``on_train_begin``); not around
+``fit``, which can return seconds after the last epoch. When ``kfac_jax`` is
+importable, the same models are also trained with kfac-jax
+(``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
+the same way.
 
     python benchmarks/convergence.py [--task mlp,cnn,mnist1d] [--optimizers THOR,Adam]
                                      [--seeds 0,1,2] [--max-epochs 25] [--batch-size 64]
@@ -210,16 +211,23 @@ class StopAtTarget(keras.callbacks.Callback):
 
 class EpochTimer(keras.callbacks.Callback):
     """Seconds of each epoch, from ``on_epoch_begin`` to ``on_epoch_end`` (validation and,
-    in the first epoch, tracing included)."""
+    in the first epoch, tracing included). Call :meth:`fit_called` just before ``fit``: the
+    first epoch then also counts ``fit``'s setup up to ``on_train_begin`` (where Keras, or
+    THOR's ``connect``, may build the model's state before tracing)."""
+
+    def fit_called(self):
+        self._fit_called = time.perf_counter()
 
     def on_train_begin(self, logs=None):
         self.epoch_seconds = []
+        self._setup = time.perf_counter() - self._fit_called
 
     def on_epoch_begin(self, epoch, logs=None):
         self._start = time.perf_counter()
 
     def on_epoch_end(self, epoch, logs=None):
-        self.epoch_seconds.append(time.perf_counter() - self._start)
+        seconds = time.perf_counter() - self._start
+        self.epoch_seconds.append(seconds + (self._setup if epoch == 0 else 0.0))
 
 
 def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, target):
@@ -231,6 +239,7 @@ def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, 
     model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     timer = EpochTimer()   # first, so that its on_epoch_end runs before the others'
+    timer.fit_called()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
                         validation_data=(x_val, y_val), verbose=0,
                         callbacks=[timer, StopAtTarget(target)])

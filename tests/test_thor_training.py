@@ -202,18 +202,26 @@ def counting_update_traces(optimizer):
     return traces
 
 
-def test_fit_builds_thor_before_tracing_its_train_step():
-    """A tf.function whose first trace creates variables is traced again; fit builds the
-    optimizer first (as Keras does under a strategy), so the train step is traced once."""
+@pytest.mark.parametrize("entry", ["fit", "train_on_batch"])
+def test_thor_models_build_before_tracing_their_train_step(entry):
+    """A tf.function whose first trace creates variables is traced again; fit and
+    train_on_batch build the optimizer and the compiled metrics first (as Keras does under
+    a strategy), so the train step is traced once, and the metrics still count."""
     x, y = digits()
     model = digits_mlp()
     optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=2)
     traces = counting_update_traces(optimizer)
-    model.compile(optimizer=optimizer,
+    model.compile(optimizer=optimizer, metrics=["accuracy"],
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     assert not optimizer.built
-    model.fit(x[:150], y[:150], batch_size=64, epochs=1, verbose=0)   # 64, 64 and 22
-    assert len(traces) == 1 and optimizer.iterations.numpy() == 3
+    if entry == "fit":
+        logs = model.fit(x[:150], y[:150], batch_size=64, epochs=1, verbose=0).history
+        logs = {name: values[-1] for name, values in logs.items()}
+        steps = 3   # 64, 64 and 22
+    else:
+        logs, steps = model.train_on_batch(x[:64], y[:64], return_dict=True), 1
+    assert len(traces) == 1 and optimizer.iterations.numpy() == steps
+    assert 0.0 < logs["accuracy"] <= 1.0 and np.isfinite(logs["loss"])
 
 
 def test_inversion_graph_traced_once_when_a_custom_step_is_traced_twice():

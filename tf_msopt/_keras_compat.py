@@ -16,12 +16,12 @@ import tensorflow as tf
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
-__all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "check",
-           "distribution_strategy", "flatten_layers", "in_xla_context", "merge_call",
-           "optimizer_own_variables", "overwrites_with_gradient", "own_iterations",
-           "own_trainable_variables", "registered_kernel_devices", "resource_variable",
-           "strategy_supports_no_merge_call", "tracked_index", "trainable_variables",
-           "uses_weight_decay", "variable_index"]
+__all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOLIC_BUILD",
+           "check", "distribution_strategy", "flatten_layers", "in_xla_context",
+           "merge_call", "optimizer_own_variables", "overwrites_with_gradient",
+           "own_iterations", "own_trainable_variables", "registered_kernel_devices",
+           "resource_variable", "strategy_supports_no_merge_call", "symbolic_build",
+           "tracked_index", "trainable_variables", "uses_weight_decay", "variable_index"]
 
 
 class KerasCompatibilityError(ImportError):
@@ -45,12 +45,15 @@ _METHODS = (
      ("grads", "trainable_variables")),
     (keras.optimizers.LossScaleOptimizer, "_stateful_handle_non_finite_grads", ()),
     (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
+    (keras.Model, "_maybe_symbolic_build", ("iterator", "data_batch")),
+    (keras.Model, "_symbolic_build", ("iterator", "data_batch")),
 )
 # (owner, attributes its __init__ or build assigns on self)
 _INSTANCE_ATTRIBUTES = (
     (keras.optimizers.Optimizer, ("_iterations", "_variables", "_trainable_variables",
                                   "_trainable_variables_indices", "_distribution_strategy")),
     (keras.layers.Layer, ("_trainable_variables",)),
+    (keras.Model, ("_distribute_strategy",)),
 )
 # (owner, method, a statement its source must hold: behaviour the package relies on)
 _STATEMENTS = (
@@ -208,6 +211,26 @@ def resource_variable(**kwargs):
     """A plain ``tf.Variable`` created without the variable creators of the current scope's
     strategy (the caller passes ``next_creator``'s keyword arguments)."""
     return resource_variable_ops.ResourceVariable(**kwargs)
+
+
+# The model method fit, evaluate, train_on_batch and test_on_batch call with their data
+# before they trace a step; it builds the model's state (layers, compiled metrics and loss,
+# optimizer) from one batch, but only under a distribution strategy.
+SYMBOLIC_BUILD = "_maybe_symbolic_build"
+
+
+def symbolic_build(model, original, iterator=None, data_batch=None):
+    """What ``original`` (``model``'s own :data:`SYMBOLIC_BUILD`) does under a strategy,
+    done without one too: the step is then traced once. Without a strategy Keras builds
+    inside the first trace, and a ``tf.function`` whose first trace creates variables
+    (the compiled metrics', the optimizer's) is traced a second time."""
+    if iterator is not None and model._distribute_strategy is None:
+        for _, _, batches in iterator:   # fit and evaluate reset the iterator afterwards
+            data_batch = next(batches, None)
+            break
+    if model._distribute_strategy is not None or data_batch is None:
+        return original(iterator=iterator, data_batch=data_batch)
+    return model._symbolic_build(data_batch=data_batch)
 
 
 def in_xla_context():

@@ -99,10 +99,15 @@ def optimizer_factories(steps_per_epoch, kind="mlp"):
 
 
 class _EpochClock(keras.callbacks.Callback):
-    """Wall time since the start of training at the end of each epoch."""
+    """Wall time at the end of each epoch since it was created, just before ``fit`` (whose
+    setup, before ``on_train_begin``, may build the model's state)."""
+
+    def __init__(self):
+        super().__init__()
+        self.start = time.perf_counter()
 
     def on_train_begin(self, logs=None):
-        self.start, self.seconds = time.perf_counter(), []
+        self.seconds = []
 
     def on_epoch_end(self, epoch, logs=None):
         self.seconds.append(time.perf_counter() - self.start)

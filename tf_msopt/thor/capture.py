@@ -15,6 +15,7 @@ Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs a
 outputs to the model-level capture, which records after the forward pass.
 """
 import dataclasses
+import functools
 
 import keras
 import tensorflow as tf
@@ -167,19 +168,8 @@ def install(layer, block, statistics, batch, is_statistics_step, block_size, sam
 
 def install_model(model, sampled):
     """Patches ``model.call`` for the sampled Fisher (``sampled=None`` removes that patch),
-    and ``model.make_train_function`` to build the model's optimizer before the train step
-    is traced."""
+    and the model's build before tracing (:func:`tf_msopt._keras_compat.symbolic_build`),
+    so that ``fit`` traces its train step once."""
     _patch(model, "call", lambda original: original if sampled is None else sampled.wrap(original))
-
-    def build_first(original):
-        def make_train_function(*args, **kwargs):
-            optimizer = getattr(model, "optimizer", None)
-            if optimizer is not None and not optimizer.built:
-                # What Keras itself does under a distribution strategy. Otherwise Keras builds
-                # it inside the first trace, and a tf.function whose first trace creates
-                # variables is traced twice: THOR's step takes most of a short first epoch.
-                optimizer.build(model.trainable_variables)
-            return original(*args, **kwargs)
-        return make_train_function
-
-    _patch(model, "make_train_function", build_first)
+    _patch(model, compat.SYMBOLIC_BUILD, lambda original: functools.partial(
+        compat.symbolic_build, model, original))

@@ -172,6 +172,9 @@ def thor_factory(config, lr, damping, frequency, seed):
     kwargs = dict(THOR_CONFIGS[config])
     if kwargs.get("fisher") == "sampled":
         kwargs["seed"] = seed
+    # Inverses on a statistics step: the next multiple of statistics_frequency.
+    every = kwargs.get("statistics_frequency", 1)
+    frequency = -(-frequency // every) * every
     return lambda model: mso.thor(model, learning_rate=lr, damping=damping, momentum=0.9,
                                   frequency=frequency, **kwargs)
 

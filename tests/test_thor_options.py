@@ -449,6 +449,27 @@ def test_save_load_resumes_exactly(tmp_path, options):
         np.testing.assert_array_equal(value, option_state(optimizer)[name], err_msg=name)
 
 
+def test_xla_update_equals_plain():
+    """Every option on: ``jit_compile=True`` (the KL-clipped update of all variables as one
+    XLA function) and an XLA-compiled train step give what the plain graph gives."""
+    def run(jit_compile=False, xla_step=False):
+        keras.utils.set_random_seed(0)
+        model = mixed_model(attention=False)
+        optimizer = mso.thor(model, 0.05, 0.05, 0.9, block_size=4, weight_decay=1e-3,
+                             jit_compile=jit_compile, **EMPIRICAL_ALL)
+        model.compile(optimizer=optimizer, jit_compile=xla_step,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        train_steps(model, 0, 5)
+        return model.get_weights(), option_state(optimizer)
+
+    plain_weights, plain_state = run()
+    assert plain_state["kl_factor"] < 1.0            # the clip is active
+    for weights, state in (run(jit_compile=True), run(xla_step=True)):
+        assert_weights_close(weights, plain_weights, rtol=1e-5)
+        for name, value in plain_state.items():
+            np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
 def _mso_dynamic(optimizer):
     return mso.LossScaleOptimizer(optimizer, mso.DynamicLossScaleManager(2.0 ** 12, 2, 3))
 

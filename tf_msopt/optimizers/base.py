@@ -282,17 +282,16 @@ class MindSporeOptimizer(AcceptsEmptyGradients, compat.Optimizer):
     def update_step(self, gradient, variable, learning_rate):
         if self.jit_compile and not in_xla_context():
             learning_rate = tf.convert_to_tensor(learning_rate)
-            return self._compiled_update(variable)(gradient, learning_rate)
+            # One XLA function per variable (per device component under a strategy),
+            # closing over the variable so `_get_variable_index` sees the real object.
+            return self._compiled(id(variable), lambda gradient, learning_rate: self._update(
+                gradient, variable, learning_rate))(gradient, learning_rate)
         return self._update(gradient, variable, learning_rate)
 
-    def _compiled_update(self, variable):
-        # One XLA function per variable (per device component under a strategy),
-        # closing over the variable so `_get_variable_index` sees the real object.
-        key = id(variable)
+    def _compiled(self, key, fn):
+        """``fn`` as one XLA function, made once per ``key``."""
         if key not in self._compiled_updates:
-            self._compiled_updates[key] = tf.function(
-                lambda gradient, learning_rate: self._update(gradient, variable, learning_rate),
-                jit_compile=True, autograph=False)
+            self._compiled_updates[key] = tf.function(fn, jit_compile=True, autograph=False)
         return self._compiled_updates[key]
 
     def _update(self, gradient, variable, learning_rate):

@@ -562,9 +562,10 @@ class THOR(MindSporeOptimizer):
 
         tf.cond(self._is_statistics_step(), refresh, lambda: tf.constant(False))
 
-    def _refresh_bucket(self, _, bucket, statistics, damping, g_scale):
+    def _refresh_bucket(self, device_variable, bucket, statistics, damping, g_scale):
         """One bucket's layers on one device, from statistics summed over replicas: the
-        moving averages (with ``statistics_decay``), then new inverses on inverse steps."""
+        moving averages (with ``statistics_decay``), then new inverses on inverse steps.
+        ``device_variable`` (the bucket's first A inverse there) only says which device."""
         layers = []
         for index, (a, g, rows) in zip(bucket, statistics):
             observed = rows > 0
@@ -660,26 +661,45 @@ class THOR(MindSporeOptimizer):
         return refresh
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):
-        if self.kl_clip is not None:
-            _on_each_device(distribution, self.kl_factor, self._set_kl_factor,
-                            (grads_and_vars, learning_rate))
-        return super().distributed_update(distribution, grads_and_vars, learning_rate)
+        if self.kl_clip is None:
+            return super().distributed_update(distribution, grads_and_vars, learning_rate)
+        # The KL factor needs every preconditioned gradient before any is applied.
+        grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
+        return _on_each_device(distribution, self.kl_factor, self._clipped_update_step,
+                               (grads_and_vars, learning_rate))
 
-    def _set_kl_factor(self, _, grads_and_vars, learning_rate):
-        """``nu = min(1, sqrt(kl_clip / (lr^2 |sum <g, P g>|)))`` over the Kronecker-factored
-        kernels, on one device."""
-        products = []
+    def _clipped_update_step(self, kl_factor, grads_and_vars, learning_rate):
+        """The update with ``kl_clip`` on one device: one XLA function with ``jit_compile``."""
+        if not self.jit_compile or compat.in_xla_context():
+            return self._clipped_update(kl_factor, grads_and_vars, learning_rate)
+        variables = [v for _, v in grads_and_vars]
+        compiled = self._compiled(
+            (id(kl_factor), *map(id, variables)),
+            lambda gradients, learning_rate: self._clipped_update(
+                kl_factor, zip(gradients, variables), learning_rate))
+        return compiled([g for g, _ in grads_and_vars], tf.convert_to_tensor(learning_rate))
+
+    def _clipped_update(self, kl_factor, grads_and_vars, learning_rate):
+        """Preconditions each gradient once, scales the Kronecker-factored ones by
+        ``nu = min(1, sqrt(kl_clip / (lr^2 |sum <g, P g>|)))``, then applies them all."""
+        steps, products = [], []
         for gradient, variable in grads_and_vars:
-            rule = self._rules[compat.variable_index(self, variable)]
-            if gradient is not None and rule is not None and rule[0].has_factors:
-                gradient = self._unscaled(gradient)
-                products.append(tf.reduce_sum(gradient * self._precondition(gradient, *rule)))
-        if not products:
-            return
-        learning_rate = tf.cast(learning_rate, tf.float32)
-        size = tf.abs(tf.add_n(products)) * tf.square(learning_rate)
-        nu = tf.minimum(1.0, tf.sqrt(tf.math.divide_no_nan(self.kl_clip, size)))
-        self.assign(self.kl_factor, tf.where(size > 0, nu, 1.0))
+            index = compat.variable_index(self, variable)
+            gradient = self._unscaled(gradient)
+            direction = self._direction(gradient, index)
+            factored = self._rules[index] is not None and self._rules[index][0].has_factors
+            if factored:
+                products.append(tf.reduce_sum(gradient * direction))
+            steps.append((direction, variable, index, factored))
+        nu = None
+        if products:
+            size = tf.abs(tf.add_n(products)) * tf.square(tf.cast(learning_rate, tf.float32))
+            nu = tf.where(size > 0, tf.minimum(
+                1.0, tf.sqrt(tf.math.divide_no_nan(self.kl_clip, size))), 1.0)
+            self.assign(kl_factor, nu)
+        for direction, variable, index, factored in steps:
+            self._apply(direction * nu if factored else direction, variable, index,
+                        learning_rate)
 
     def _unscaled(self, gradient):
         gradient = tf.cast(gradient, tf.float32)
@@ -687,21 +707,24 @@ class THOR(MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         index = compat.variable_index(self, variable)
-        gradient = self._unscaled(gradient)
+        direction = self._direction(self._unscaled(gradient), index)
+        self._apply(direction, variable, index, learning_rate)
+
+    def _direction(self, gradient, index):
         rule = self._rules[index]
-        if rule is not None:
-            gradient = self._precondition(gradient, *rule)
-            if self.kl_clip is not None and rule[0].has_factors:
-                gradient *= tf.convert_to_tensor(self.kl_factor)
-        gradient = tf.cast(gradient, variable.dtype)
+        return gradient if rule is None else self._precondition(gradient, *rule)
+
+    def _apply(self, direction, variable, index, learning_rate):
+        """Weight decay, the optional norm clip and the momentum step."""
+        direction = tf.cast(direction, variable.dtype)
         if self._decay_flags[index]:
-            gradient += tf.cast(self.weight_decay, variable.dtype) * variable
+            direction += tf.cast(self.weight_decay, variable.dtype) * variable
         if self.enable_clip_grad:
-            gradient = tf.clip_by_norm(gradient, 1.0)
+            direction = tf.clip_by_norm(direction, 1.0)
         momentum = self.momentums[index]
         tf.raw_ops.ResourceApplyMomentum(
             var=_handle(variable), accum=_handle(momentum),
-            lr=tf.cast(learning_rate, variable.dtype), grad=gradient,
+            lr=tf.cast(learning_rate, variable.dtype), grad=direction,
             momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
 
     def _precondition(self, gradient, block, index):

@@ -50,7 +50,8 @@ class OutputDistribution:
             if self.from_logits:
                 return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
                     labels=labels, logits=flat))
-            return -tf.reduce_sum(tf.gather(flat, labels, batch_dims=1))
+            # A one-hot product, not a gather: its gradient is a few ops, not dozens.
+            return -tf.reduce_sum(tf.one_hot(labels, tf.shape(flat)[-1]) * flat)
         probabilities = tf.sigmoid(outputs) if self.from_logits else outputs
         labels = tf.cast(tf.random.stateless_uniform(tf.shape(outputs), seed)
                          < tf.stop_gradient(probabilities), tf.float32)

@@ -77,12 +77,15 @@ MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every
 # THOR configurations: keyword arguments of tf_msopt.thor on top of learning rate,
 # damping, momentum 0.9 and frequency. "THOR" is MindSpore's update; "THOR-pi" its
 # damping split by the factors' traces; "THOR-sampled" the sampled Fisher with moving
-# averages of the statistics; "THOR-klclip" all the options K-FAC libraries use together
-# (pi damping, sampled Fisher, moving averages, KL clip).
+# averages of the statistics ("THOR-sampled-s2" the same with statistics every second
+# step); "THOR-klclip" all the options K-FAC libraries use together (pi damping, sampled
+# Fisher, moving averages, KL clip).
 THOR_CONFIGS = {
     "THOR": {},
     "THOR-pi": {"damping_mode": "pi"},
     "THOR-sampled": {"fisher": "sampled", "statistics_decay": 0.95},
+    "THOR-sampled-s2": {"fisher": "sampled", "statistics_decay": 0.95,
+                        "statistics_frequency": 2},
     "THOR-klclip": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95,
                     "kl_clip": 1e-3},
 }
@@ -98,6 +101,9 @@ THOR_GRIDS = {
     "THOR-sampled": {"mlp": ((0.03, 0.05, 0.1), (0.3, 1.0, 3.0)),
                      "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
                      "mnist1d": ((0.01, 0.02, 0.03), (0.03, 0.1, 0.3))},
+    "THOR-sampled-s2": {"mlp": ((0.03, 0.05, 0.1), (0.3, 1.0, 3.0)),
+                        "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
+                        "mnist1d": ((0.005, 0.01, 0.02), (0.01, 0.03, 0.1))},
     "THOR-klclip": {"mlp": ((0.02, 0.03, 0.05), (0.03, 0.1, 0.3)),
                     "cnn": ((0.01, 0.02, 0.03), (0.05, 0.1, 0.2)),
                     "mnist1d": ((0.02, 0.03, 0.05), (0.01, 0.03, 0.1))},

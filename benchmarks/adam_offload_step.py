@@ -143,7 +143,7 @@ if THREADS:
 
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.ops import _loader  # noqa: E402
-from tf_msopt.ops.adam import adam_offload_step  # noqa: E402
+from tf_msopt.ops.adam import adam_offload_steps  # noqa: E402
 from timing import time_cases  # noqa: E402
 
 
@@ -173,8 +173,8 @@ def host_kernel_case(values, grads):
     grad_tensors = [tf.constant(g) for g in grads]
 
     def step():
-        for (m, v), grad in zip(moments, grad_tensors):
-            adam_offload_step(m, v, grad, 0.9, 0.999, 1e-3, 0.9, 0.999, 1e-8)
+        adam_offload_steps([m for m, _ in moments], [v for _, v in moments], grad_tensors, 0.9,
+                           0.999, 1e-3, 0.9, 0.999, 1e-8)
 
     return tf.function(step)
 

@@ -7,16 +7,20 @@
 //   delta = -lr_t * (m * beta1 + (1 - beta1) * g) / (sqrt(v) + epsilon)   (nesterov)
 // where lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power), computed once per call.
 //
-// MsOptAdamOffloadDelta writes m and v in place and returns delta (the caller
-// adds it to the variable on the variable's device). MsOptAdamOffloadUpdate
-// is the same pass for a variable that lives on the host itself: it adds delta
-// to the variable in place instead of returning it, saving a pass over memory.
+// Both ops take N variables at once (a model's whole list, or one learning-rate
+// group of it): one op call and one parallel pass over all their elements, so
+// the cost per variable is a few pointer look-ups, not an op dispatch and a
+// thread-pool round trip. MsOptAdamOffloadDeltas writes each m and v in place
+// and returns each delta (the caller adds it to the variable on the variable's
+// device). MsOptAdamOffloadUpdates is the same pass for variables that live on
+// the host itself: it adds delta to each variable in place instead of returning
+// it, saving a pass over memory.
 //
 // m, v (and var) are resource variables updated the way TensorFlow's training
 // ops do it: their mutexes are held, and a buffer that another tensor still
 // references is copied first (PrepareToUpdateVariable), so no concurrent read
-// observes the write. The flat range is split over the intra-op thread pool;
-// each shard runs a float vector loop for the widest instruction set the CPU
+// observes the write. The N flat ranges, end to end, are split over the
+// intra-op thread pool; each shard runs, per variable it covers, a float vector loop for the widest instruction set the CPU
 // has (AVX-512, AVX2 with FMA, AVX2, SSE2 on x86-64; chosen at run time) and a
 // scalar tail. float64 runs the scalar loop. Where the CPU has FMA the vector
 // loops fuse multiply-adds: results then differ from the pure-TF path (which
@@ -24,9 +28,11 @@
 
 #define EIGEN_USE_THREADS
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -45,22 +51,27 @@ using CPUDevice = Eigen::ThreadPoolDevice;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
-constexpr int kNumVariables = 3;  // the variable, m, v (Update); Delta has no variable.
+constexpr int kNumScalars = 7;
 
-absl::Status AdamOffloadShape(InferenceContext* c, int num_resources) {
-  const int grad = num_resources;
-  ShapeHandle shape = c->input(grad);
-  for (int i = 0; i < num_resources; ++i) {
-    const auto* handle_data = c->input_handle_shapes_and_types(i);
-    if (handle_data != nullptr && handle_data->size() == 1) {
-      TF_RETURN_IF_ERROR(c->Merge(shape, (*handle_data)[0].shape, &shape));
+// Inputs: `lists` lists of N resources, N gradients, then the scalars. Each gradient's
+// shape is merged with its variables' shapes; delta i (if any) has gradient i's shape.
+absl::Status AdamOffloadShape(InferenceContext* c, int lists) {
+  int n;
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  for (int i = 0; i < n; ++i) {
+    ShapeHandle shape = c->input(lists * n + i);
+    for (int list = 0; list < lists; ++list) {
+      const auto* handle_data = c->input_handle_shapes_and_types(list * n + i);
+      if (handle_data != nullptr && handle_data->size() == 1) {
+        TF_RETURN_IF_ERROR(c->Merge(shape, (*handle_data)[0].shape, &shape));
+      }
     }
+    if (c->num_outputs() > 0) c->set_output(i, shape);
   }
   ShapeHandle scalar;
-  for (int i = grad + 1; i < c->num_inputs(); ++i) {
+  for (int i = (lists + 1) * n; i < c->num_inputs(); ++i) {
     TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &scalar));
   }
-  if (c->num_outputs() > 0) c->set_output(0, shape);
   return absl::OkStatus();
 }
 
@@ -72,33 +83,34 @@ absl::Status AdamOffloadShape(InferenceContext* c, int num_resources) {
       .Input("beta2: T")                                                     \
       .Input("epsilon: T")                                                   \
       .Input("grad_scale: T")                                                \
+      .Attr("N: int >= 1")                                                   \
       .Attr("T: {float, double}")                                            \
       .Attr("use_locking: bool = false")                                     \
       .Attr("use_nesterov: bool = false")
 
-REGISTER_OP("MsOptAdamOffloadDelta")
-    .Input("m: resource")
-    .Input("v: resource")
-    .Input("grad: T")
+REGISTER_OP("MsOptAdamOffloadDeltas")
+    .Input("m: N * resource")
+    .Input("v: N * resource")
+    .Input("grad: N * T")
     .MSOPT_ADAM_SCALARS
-    .Output("delta: T")
+    .Output("delta: N * T")
     .SetShapeFn([](InferenceContext* c) { return AdamOffloadShape(c, 2); })
     .Doc(R"doc(
-One Adam step on host-resident moments (MindSpore's AdamNoUpdateParam, with the
-loss-scale division fused): updates m and v in place and returns
+One Adam step on N host-resident moment pairs (MindSpore's AdamNoUpdateParam, with
+the loss-scale division fused): updates each m and v in place and returns
 delta = -lr_t * m / (sqrt(v) + epsilon), lr_t = lr * sqrt(1 - beta2_power) / (1 - beta1_power).
 )doc");
 
-REGISTER_OP("MsOptAdamOffloadUpdate")
-    .Input("var: resource")
-    .Input("m: resource")
-    .Input("v: resource")
-    .Input("grad: T")
+REGISTER_OP("MsOptAdamOffloadUpdates")
+    .Input("var: N * resource")
+    .Input("m: N * resource")
+    .Input("v: N * resource")
+    .Input("grad: N * T")
     .MSOPT_ADAM_SCALARS
     .SetShapeFn([](InferenceContext* c) { return AdamOffloadShape(c, 3); })
     .Doc(R"doc(
-MsOptAdamOffloadDelta for a variable on the same (host) device: adds delta to
-var in place in the same pass.
+MsOptAdamOffloadDeltas for variables on the same (host) device: adds each delta to
+its var in place in the same pass.
 )doc");
 
 #undef MSOPT_ADAM_SCALARS
@@ -216,56 +228,78 @@ void RunSpan<float>(const AdamSpan<float>& s, const AdamHyper<float>& h) {
 #endif
 }
 
+// The spans of shard [begin, end) of the N ranges laid end to end (`starts`: the
+// first element of each range, then the total).
+template <typename T>
+void RunShard(const std::vector<AdamSpan<T>>& spans, const std::vector<int64_t>& starts,
+              const AdamHyper<T>& h, int64_t begin, int64_t end) {
+  size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
+  for (; i < spans.size() && starts[i] < end; ++i) {
+    const int64_t first = std::max(begin, starts[i]) - starts[i];
+    const int64_t last = std::min(end, starts[i + 1]) - starts[i];
+    if (last <= first) continue;
+    AdamSpan<T> shard = spans[i];
+    shard.m += first;
+    shard.v += first;
+    shard.grad += first;
+    if (shard.var != nullptr) shard.var += first;
+    if (shard.delta != nullptr) shard.delta += first;
+    shard.size = last - first;
+    RunSpan(shard, h);
+  }
+}
+
 template <typename T, bool kUpdateVariable>
 class AdamOffloadOp : public OpKernel {
  public:
   explicit AdamOffloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("use_locking", &use_locking_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("use_nesterov", &use_nesterov_));
   }
 
   void Compute(OpKernelContext* ctx) override {
-    constexpr int kResources = kUpdateVariable ? 3 : 2;
-    constexpr int kGrad = kResources;
-    static const char* const kNames[kNumVariables] = {"var", "m", "v"};
+    constexpr int kLists = kUpdateVariable ? 3 : 2;   // [var,] m, v
+    static const char* const kNames[3] = {"var", "m", "v"};
     const char* const* names = kUpdateVariable ? kNames : kNames + 1;
-    std::vector<int> resource_inputs;
-    for (int i = 0; i < kResources; ++i) {
+    const int grads = kLists * n_;
+    auto name = [&](int input) {
+      return absl::StrCat(names[input / n_], "[", input % n_, "]");
+    };
+    std::vector<int> resource_inputs(grads);
+    for (int i = 0; i < grads; ++i) {
       // Checked before anything reads the buffer as T.
       core::RefCountPtr<Var> resource;
       OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, i), &resource));
       OP_REQUIRES(ctx, resource->tensor()->dtype() == DataTypeToEnum<T>::v(),
                   absl::InvalidArgumentError(absl::StrCat(
-                      "'", names[i], "' must have the gradient's dtype ",
+                      "'", name(i), "' must have the gradient's dtype ",
                       DataTypeString(DataTypeToEnum<T>::v()), ", but got ",
                       DataTypeString(resource->tensor()->dtype()), ".")));
-      resource_inputs.push_back(i);
+      resource_inputs[i] = i;
     }
     // Held until Compute returns: no other op reads or writes these buffers meanwhile.
     auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, T>(ctx, use_locking_,
                                                                      /*sparse=*/false,
                                                                      resource_inputs);
-    Tensor state[kNumVariables];
-    for (int i = 0; i < kResources; ++i) {
+    std::vector<Tensor> state(grads);
+    for (int i = 0; i < grads; ++i) {
       OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, T>(ctx, i, use_locking_,
                                                                    /*sparse=*/false, &state[i]));
       OP_REQUIRES(ctx, state[i].IsInitialized(),
-                  absl::FailedPreconditionError(absl::StrCat(
-                      "Attempting to use uninitialized variable '", names[i], "'.")));
-    }
-    const Tensor& grad = ctx->input(kGrad);
-    for (int i = 0; i < kResources; ++i) {
+                  absl::FailedPreconditionError(
+                      absl::StrCat("Attempting to use uninitialized variable '", name(i), "'.")));
+      const Tensor& grad = ctx->input(grads + i % n_);
       OP_REQUIRES(ctx, state[i].shape() == grad.shape(),
                   absl::InvalidArgumentError(absl::StrCat(
-                      "'", names[i], "' and 'grad' must have the same shape, but got ",
-                      state[i].shape().DebugString(), " and ", grad.shape().DebugString(),
-                      ".")));
+                      "'", name(i), "' and 'grad[", i % n_, "]' must have the same shape, but got ",
+                      state[i].shape().DebugString(), " and ", grad.shape().DebugString(), ".")));
     }
-    T scalars[7];
-    static const char* const kScalarNames[7] = {"beta1_power", "beta2_power", "lr", "beta1",
-                                                "beta2", "epsilon", "grad_scale"};
-    for (int i = 0; i < 7; ++i) {
-      const Tensor& t = ctx->input(kGrad + 1 + i);
+    static const char* const kScalarNames[kNumScalars] = {
+        "beta1_power", "beta2_power", "lr", "beta1", "beta2", "epsilon", "grad_scale"};
+    T scalars[kNumScalars];
+    for (int i = 0; i < kNumScalars; ++i) {
+      const Tensor& t = ctx->input(grads + n_ + i);
       OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(t.shape()),
                   absl::InvalidArgumentError(absl::StrCat("'", kScalarNames[i],
                                                           "' must be a scalar, but got shape ",
@@ -285,47 +319,47 @@ class AdamOffloadOp : public OpKernel {
     h.grad_scale = scalars[6];
     h.neg_lr_t = -(scalars[2] * std::sqrt(T(1) - beta2_power) / (T(1) - beta1_power));
 
-    AdamSpan<T> span{};
-    span.m = state[kResources - 2].flat<T>().data();
-    span.v = state[kResources - 1].flat<T>().data();
-    span.grad = grad.flat<T>().data();
-    span.size = grad.NumElements();
-    span.nesterov = use_nesterov_;
-    if (kUpdateVariable) {
-      span.var = state[0].flat<T>().data();
-    } else {
-      Tensor* delta = nullptr;
-      // The delta may take over the gradient's buffer when nothing else holds it.
-      OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({kGrad}, 0, grad.shape(),
-                                                                 &delta));
-      span.delta = delta->flat<T>().data();
+    std::vector<AdamSpan<T>> spans(n_);
+    std::vector<int64_t> starts(n_ + 1, 0);
+    for (int i = 0; i < n_; ++i) {
+      const Tensor& grad = ctx->input(grads + i);
+      AdamSpan<T>& span = spans[i];
+      span.m = state[(kLists - 2) * n_ + i].flat<T>().data();
+      span.v = state[(kLists - 1) * n_ + i].flat<T>().data();
+      span.grad = grad.flat<T>().data();
+      span.size = grad.NumElements();
+      span.nesterov = use_nesterov_;
+      if (kUpdateVariable) {
+        span.var = state[i].flat<T>().data();
+      } else {
+        Tensor* delta = nullptr;
+        // A delta may take over its gradient's buffer when nothing else holds it.
+        OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({grads + i}, i, grad.shape(),
+                                                                   &delta));
+        span.delta = delta->flat<T>().data();
+      }
+      starts[i + 1] = starts[i] + span.size;
     }
     // Bytes read and written and cycles per element, for the shard size.
     const Eigen::TensorOpCost cost((kUpdateVariable ? 4 : 3) * sizeof(T), 3 * sizeof(T), 10);
     ctx->eigen_device<CPUDevice>().parallelFor(
-        span.size, cost, [&span, &h](Eigen::Index begin, Eigen::Index end) {
-          AdamSpan<T> shard = span;
-          shard.m += begin;
-          shard.v += begin;
-          shard.grad += begin;
-          if (shard.var != nullptr) shard.var += begin;
-          if (shard.delta != nullptr) shard.delta += begin;
-          shard.size = end - begin;
-          RunSpan(shard, h);
+        starts.back(), cost, [&spans, &starts, &h](Eigen::Index begin, Eigen::Index end) {
+          RunShard(spans, starts, h, begin, end);
         });
   }
 
  private:
+  int n_;
   bool use_locking_;
   bool use_nesterov_;
 };
 
 #define MSOPT_REGISTER_KERNELS(T)                                                          \
   REGISTER_KERNEL_BUILDER(                                                                 \
-      Name("MsOptAdamOffloadDelta").Device(DEVICE_CPU).TypeConstraint<T>("T"),            \
+      Name("MsOptAdamOffloadDeltas").Device(DEVICE_CPU).TypeConstraint<T>("T"),           \
       AdamOffloadOp<T, false>);                                                            \
   REGISTER_KERNEL_BUILDER(                                                                 \
-      Name("MsOptAdamOffloadUpdate").Device(DEVICE_CPU).TypeConstraint<T>("T"),           \
+      Name("MsOptAdamOffloadUpdates").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
       AdamOffloadOp<T, true>);
 MSOPT_REGISTER_KERNELS(float)
 MSOPT_REGISTER_KERNELS(double)

@@ -9,7 +9,7 @@ import tensorflow as tf
 
 import tf_msopt as mso
 from tf_msopt.ops import _loader
-from tf_msopt.ops.adam import adam_offload_step
+from tf_msopt.ops.adam import adam_offload_step, adam_offload_steps
 
 
 def use_backend(monkeypatch, backend):
@@ -18,7 +18,7 @@ def use_backend(monkeypatch, backend):
         monkeypatch.setenv(_loader.DISABLE_ENV, "1")
         return
     monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
-    assert hasattr(_loader.load_custom_ops(), "ms_opt_adam_offload_delta"), (
+    assert hasattr(_loader.load_custom_ops(), "ms_opt_adam_offload_deltas"), (
         f"the AdamOffload kernel is not loaded ({mso.ops.custom_ops_status()}; a library "
         f"built before custom_ops/adam_offload.cc existed lacks it: rebuild with setup.py)")
 
@@ -151,7 +151,7 @@ def test_kernel_and_pure_tf_agree(use_nesterov, in_place, monkeypatch):
     FMA; the pure-TF path rounds every product)."""
     kernel, kernel_ops = run_host_steps("kernel", monkeypatch, use_nesterov, in_place)
     plain, plain_ops = run_host_steps("pure_tf", monkeypatch, use_nesterov, in_place)
-    op = "MsOptAdamOffloadUpdate" if in_place else "MsOptAdamOffloadDelta"
+    op = "MsOptAdamOffloadUpdates" if in_place else "MsOptAdamOffloadDeltas"
     assert op in kernel_ops and not any(name.startswith("MsOpt") for name in plain_ops)
     for got, want in zip(kernel, plain):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7 * np.max(np.abs(want)))
@@ -207,16 +207,68 @@ def test_step_contract_errors():
 
 def test_kernel_checks_its_inputs(monkeypatch):
     use_backend(monkeypatch, "kernel")
-    op = _loader.load_custom_ops().ms_opt_adam_offload_delta
+    op = _loader.load_custom_ops().ms_opt_adam_offload_deltas
     m, v = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(3))
+    other_m, other_v = tf.Variable(tf.zeros(2)), tf.Variable(tf.zeros(2))
     scalars = [tf.constant(x) for x in (0.9, 0.999, 0.1, 0.9, 0.999, 1e-8, 1.0)]
-    with pytest.raises(tf.errors.InvalidArgumentError, match="'m' must have the gradient's dtype"):
-        op(tf.Variable(tf.zeros(3, tf.float64)).handle, v.handle, tf.ones(3), *scalars)
-    with pytest.raises(tf.errors.InvalidArgumentError, match="'v' and 'grad' must have the same"):
-        op(m.handle, tf.Variable(tf.zeros(4)).handle, tf.ones(3), *scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"'m\[0\]' must have the gradient's dtype"):
+        op([tf.Variable(tf.zeros(3, tf.float64)).handle], [v.handle], [tf.ones(3)], *scalars)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"'v\[1\]' and 'grad\[1\]' must have the same"):
+        op([m.handle, other_m.handle], [v.handle, tf.Variable(tf.zeros(4)).handle],
+           [tf.ones(3), tf.ones(2)], *scalars)
     with pytest.raises(tf.errors.InvalidArgumentError, match="'lr' must be a scalar"):
-        op(m.handle, v.handle, tf.ones(3), *scalars[:2], tf.ones(2), *scalars[3:])
-    np.testing.assert_array_equal(m.numpy(), 0.0)  # nothing was written
+        op([m.handle, other_m.handle], [v.handle, other_v.handle], [tf.ones(3), tf.ones(2)],
+           *scalars[:2], tf.ones(2), *scalars[3:])
+    for moment in (m, v, other_m, other_v):
+        np.testing.assert_array_equal(moment.numpy(), 0.0)  # nothing was written
+
+
+def run_grouped_steps(backend, monkeypatch, in_place, sizes=(1, 17, 100_003, 40)):
+    """Three steps of ``adam_offload_steps`` on variables of several sizes (shards of the
+    kernel's one pass start and end inside variables, and cover several small ones)."""
+    use_backend(monkeypatch, backend)
+    rng = np.random.default_rng(11)
+    ms, vs, weights = ([tf.Variable(rng.random(n).astype(np.float32)) for n in sizes]
+                       for _ in range(3))
+    step = tf.function(adam_offload_steps)
+    for t in (1, 2, 3):
+        grads = [tf.constant(rng.normal(size=n).astype(np.float32)) for n in sizes]
+        deltas = step(ms, vs, grads, 0.9 ** t, 0.999 ** t, 0.01, 0.9, 0.999, 1e-8, 0.5,
+                      variables=weights if in_place else None)
+    kernel_ops = {op.type for op in step.get_concrete_function(
+        ms, vs, grads, 0.9, 0.999, 0.01, 0.9, 0.999, 1e-8, 0.5,
+        variables=weights if in_place else None).graph.get_operations()}
+    values = [x.numpy() for x in (weights if in_place else deltas) + ms + vs]
+    return values, kernel_ops
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_grouped_kernel_equals_one_step_per_variable(in_place, monkeypatch):
+    """One kernel call for several variables gives each what its own pure-TF step gives."""
+    grouped, ops = run_grouped_steps("kernel", monkeypatch, in_place)
+    plain, plain_ops = run_grouped_steps("pure_tf", monkeypatch, in_place)
+    kind = "MsOptAdamOffloadUpdates" if in_place else "MsOptAdamOffloadDeltas"
+    assert kind in ops and not any(name.startswith("MsOpt") for name in plain_ops)
+    assert len(grouped) == len(plain) == 12
+    for got, want in zip(grouped, plain):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7 * np.max(np.abs(want)))
+
+
+def test_grouped_step_contract_errors():
+    m, v = tf.Variable(tf.zeros(3)), tf.Variable(tf.zeros(3))
+    scalars = (0.9, 0.999, 0.1, 0.9, 0.999, 1e-8)
+    with pytest.raises(ValueError, match="non-empty lists of one length"):
+        adam_offload_steps([m], [v, v], [tf.ones(3)], *scalars)
+    with pytest.raises(ValueError, match="non-empty lists of one length"):
+        adam_offload_steps([], [], [], *scalars)
+    with pytest.raises(ValueError, match=r"must have the same shape.*\(entry 1\)"):
+        adam_offload_steps([m, tf.Variable(tf.zeros(2))], [v, tf.Variable(tf.zeros(2))],
+                           [tf.ones(3), tf.ones(4)], *scalars)
+    with pytest.raises(TypeError, match=r"one float dtype.*\(entry 1\)"):
+        adam_offload_steps([m, tf.Variable(tf.zeros(3, tf.float64))], [v, v],
+                           [tf.ones(3), tf.ones(3)], *scalars)
 
 
 # -- the optimizer: formula, groups, Keras features -------------------------------------------

@@ -10,9 +10,9 @@ One step on the moments ``m`` and ``v`` (variables on the host), with
     delta = -lr_t * (m * beta1 + (1 - beta1) * g) / (sqrt(v) + epsilon)   # use_nesterov
 
 ``epsilon`` is added to ``sqrt(v)`` without bias correction. The compiled
-kernels (``MsOptAdamOffloadDelta`` / ``MsOptAdamOffloadUpdate`` in
+kernels (``MsOptAdamOffloadDeltas`` / ``MsOptAdamOffloadUpdates`` in
 ``custom_ops/adam_offload.cc``) do this in one multi-threaded pass over g, m
-and v for float32 and float64 on CPU; otherwise (no library, the
+and v of any number of variables, for float32 and float64 on CPU; otherwise (no library, the
 ``TF_MSOPT_DISABLE_CUSTOM_OPS`` kill switch, float16, an accelerator) the same
 arithmetic runs as TensorFlow ops, in the same order, giving the same numbers.
 """
@@ -21,7 +21,7 @@ import tensorflow as tf
 
 from tf_msopt.ops._loader import load_custom_ops
 
-__all__ = ["adam_offload_step"]
+__all__ = ["adam_offload_step", "adam_offload_steps"]
 
 _KERNEL_DTYPES = (tf.float32, tf.float64)
 _FLOAT_DTYPES = (tf.float16, tf.bfloat16, tf.float32, tf.float64)
@@ -60,37 +60,76 @@ def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, ep
         ValueError: a gradient whose shape differs from the moments'.
         tf.errors.InvalidArgumentError: ``beta1_power`` is 1 (when run).
     """
-    dtype = m.dtype
-    if dtype not in _FLOAT_DTYPES or v.dtype != dtype or (var is not None and var.dtype != dtype):
-        raise TypeError(
-            f"For 'AdamOffload', 'm', 'v' (and 'var') must have one float dtype, but got "
-            f"{m.dtype.name}, {v.dtype.name}{'' if var is None else ', ' + var.dtype.name}."
-        )
-    with tf.device(m.device):
-        grad = tf.convert_to_tensor(grad, dtype=dtype)
-        if not (grad.shape.is_compatible_with(m.shape) and v.shape.is_compatible_with(m.shape)):
-            raise ValueError(
-                f"For 'AdamOffload', 'grad', 'm' and 'v' must have the same shape, but got "
-                f"{grad.shape}, {m.shape} and {v.shape}."
-            )
+    deltas = adam_offload_steps([m], [v], [grad], beta1_power, beta2_power, lr, beta1, beta2,
+                                epsilon, grad_scale, use_nesterov, use_locking,
+                                None if var is None else [var], assign, assign_add)
+    return None if deltas is None else deltas[0]
+
+
+def adam_offload_steps(ms, vs, grads, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
+                       grad_scale=1.0, use_nesterov=False, use_locking=False, variables=None,
+                       assign=None, assign_add=None):
+    """:func:`adam_offload_step` for several variables at once, with shared scalars.
+
+    The compiled kernel takes them all in one call: one parallel pass over every
+    element, so a model's hundreds of small variables cost about what one large
+    variable of the same total size does. The moments must all be on one device
+    and have one dtype.
+
+    Args:
+        ms, vs, grads: equal-length lists; entry ``i`` is one variable's moments
+            and gradient, as in :func:`adam_offload_step`.
+        variables: optional list of ``tf.Variable`` beside the moments: each
+            ``delta`` is added to its variable in the same pass.
+        The other arguments are those of :func:`adam_offload_step`.
+
+    Returns:
+        The list of ``delta`` tensors, or None when ``variables`` is given.
+    """
+    ms, vs, grads = list(ms), list(vs), list(grads)
+    dtype = ms[0].dtype if ms else None
+    if not (len(ms) == len(vs) == len(grads) > 0) or (
+            variables is not None and len(variables) != len(ms)):
+        raise ValueError(
+            f"For 'AdamOffload', 'm', 'v', 'grad' (and 'var') must be non-empty lists of one "
+            f"length, but got lengths {len(ms)}, {len(vs)}, {len(grads)}"
+            f"{'' if variables is None else ', ' + str(len(variables))}.")
+    for index, (m, v, var) in enumerate(zip(ms, vs, variables or [None] * len(ms))):
+        if (dtype not in _FLOAT_DTYPES or m.dtype != dtype or v.dtype != dtype
+                or (var is not None and var.dtype != dtype)):
+            raise TypeError(
+                f"For 'AdamOffload', 'm', 'v' (and 'var') must have one float dtype, but got "
+                f"{m.dtype.name}, {v.dtype.name}{'' if var is None else ', ' + var.dtype.name}"
+                f" (entry {index}).")
+    with tf.device(ms[0].device):
+        grads = [tf.convert_to_tensor(grad, dtype=dtype) for grad in grads]
+        for index, (m, v, grad) in enumerate(zip(ms, vs, grads)):
+            if not (grad.shape.is_compatible_with(m.shape)
+                    and v.shape.is_compatible_with(m.shape)):
+                raise ValueError(
+                    f"For 'AdamOffload', 'grad', 'm' and 'v' must have the same shape, but got "
+                    f"{grad.shape}, {m.shape} and {v.shape} (entry {index}).")
         scalars = [tf.cast(x, dtype) for x in (beta1_power, beta2_power, lr, beta1, beta2, epsilon,
                                                grad_scale)]
         module = load_custom_ops()
-        # (A library built before this op existed lacks it: use the pure-TF path then.)
-        if hasattr(module, "ms_opt_adam_offload_delta") and dtype in _KERNEL_DTYPES and _on_cpu(m):
+        # (A library built before these ops existed lacks them: use the pure-TF path then.)
+        if (hasattr(module, "ms_opt_adam_offload_deltas") and dtype in _KERNEL_DTYPES
+                and _on_cpu(ms[0])):
             attrs = dict(use_locking=use_locking, use_nesterov=use_nesterov)
-            if var is None:
-                return module.ms_opt_adam_offload_delta(m.handle, v.handle, grad, *scalars,
-                                                        **attrs)
-            module.ms_opt_adam_offload_update(var.handle, m.handle, v.handle, grad, *scalars,
-                                              **attrs)
+            handles = [[x.handle for x in xs] for xs in (ms, vs)]
+            if variables is None:
+                return module.ms_opt_adam_offload_deltas(*handles, grads, *scalars, **attrs)
+            module.ms_opt_adam_offload_updates([x.handle for x in variables], *handles, grads,
+                                               *scalars, **attrs)
             return None
         assign = assign or (lambda variable, value: variable.assign(value))
         assign_add = assign_add or (lambda variable, value: variable.assign_add(value))
-        delta = _adam_delta(m, v, grad, *scalars, use_nesterov, assign)
-        if var is None:
-            return delta
-        assign_add(var, delta)
+        deltas = [_adam_delta(m, v, grad, *scalars, use_nesterov, assign)
+                  for m, v, grad in zip(ms, vs, grads)]
+        if variables is None:
+            return deltas
+        for var, delta in zip(variables, deltas):
+            assign_add(var, delta)
         return None
 
 

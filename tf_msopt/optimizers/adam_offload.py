@@ -6,7 +6,7 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context, register
 from tf_msopt._validation import check_bool, check_float, check_number_range, type_name
-from tf_msopt.ops.adam import adam_offload_step
+from tf_msopt.ops.adam import adam_offload_steps
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     check_filter,
@@ -299,10 +299,11 @@ class AdamOffload(MindSporeOptimizer):
         # state must be updated once per step, so each delta is computed once here
         # (from the summed gradient) and added to every copy.
         scalars = self._step_scalars(distribution.experimental_local_results(learning_rate)[0])
-        for grad, variable in grads_and_vars:
-            copies = distribution.experimental_local_results(variable)
-            grad = distribution.experimental_local_results(grad)[0]
-            delta = self._host_step(grad, copies, scalars)
+        deltas = self._host_steps(
+            [(distribution.experimental_local_results(grad)[0],
+              distribution.experimental_local_results(variable))
+             for grad, variable in grads_and_vars], scalars)
+        for (_, variable), delta in zip(grads_and_vars, deltas):
             if delta is not None:
                 distribution.extended.update(variable, self._add_delta, args=(delta,),
                                              group=False)
@@ -316,7 +317,7 @@ class AdamOffload(MindSporeOptimizer):
                 f"multi-replica strategy, use AdamOffload as the outermost optimizer (or inside "
                 f"a LossScaleOptimizer)."
             )
-        delta = self._host_step(gradient, (variable,), self._step_scalars(learning_rate))
+        (delta,) = self._host_steps([(gradient, (variable,))], self._step_scalars(learning_rate))
         if delta is not None:
             self._add_delta(variable, delta)
 
@@ -344,25 +345,38 @@ class AdamOffload(MindSporeOptimizer):
                     _current_rate(rate, self.iterations), tf.float32)
         return {key: (beta1_power, beta2_power, rate) for key, rate in rates.items()}
 
-    def _host_step(self, gradient, copies, scalars):
-        """Updates the host state of one variable; returns its delta, or None when the
-        variable lives on the host and was updated in the same pass."""
-        variable = copies[0]
-        index = compat.variable_index(self, variable)
-        dtype = self._moment1[index].dtype   # float32 for half-precision variables
-        grad = tf.cast(tf.convert_to_tensor(gradient), dtype)  # IndexedSlices: dense
-        decay = self._decay_factors[index]
-        if decay:
-            with tf.device(variable.device):
-                grad = tf.cast(variable, dtype) * tf.cast(decay, dtype) + grad
-        in_place = (len(copies) == 1 and variable.dtype == dtype
-                    and _same_device(variable.device, self.host_device))
-        beta1_power, beta2_power, lr = scalars[self._group_index[index]]
-        return adam_offload_step(
-            self._moment1[index].value, self._moment2[index].value, grad, beta1_power,
-            beta2_power, lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
-            use_nesterov=self.use_nesterov, use_locking=self.use_locking,
-            var=variable if in_place else None, assign=self.assign, assign_add=self.assign_add)
+    def _host_steps(self, updates, scalars):
+        """Updates the host state of each ``(gradient, copies of its variable)``; returns each
+        variable's delta, or None where the variable lives on the host and was updated in the
+        same pass. The variables of one group, dtype and kind go to one kernel call."""
+        batches = {}
+        for position, (gradient, copies) in enumerate(updates):
+            variable = copies[0]
+            index = compat.variable_index(self, variable)
+            dtype = self._moment1[index].dtype   # float32 for half-precision variables
+            grad = tf.cast(tf.convert_to_tensor(gradient), dtype)  # IndexedSlices: dense
+            decay = self._decay_factors[index]
+            if decay:
+                with tf.device(variable.device):
+                    grad = tf.cast(variable, dtype) * tf.cast(decay, dtype) + grad
+            in_place = (len(copies) == 1 and variable.dtype == dtype
+                        and _same_device(variable.device, self.host_device))
+            batches.setdefault((self._group_index[index], dtype, in_place), []).append(
+                (position, index, grad, variable))
+        deltas = [None] * len(updates)
+        for (group, _, in_place), batch in batches.items():
+            positions, indices, grads, variables = zip(*batch)
+            beta1_power, beta2_power, lr = scalars[group]
+            found = adam_offload_steps(
+                [self._moment1[i].value for i in indices],
+                [self._moment2[i].value for i in indices], grads, beta1_power, beta2_power,
+                lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
+                use_nesterov=self.use_nesterov, use_locking=self.use_locking,
+                variables=variables if in_place else None, assign=self.assign,
+                assign_add=self.assign_add)
+            for position, delta in zip(positions, found or ()):
+                deltas[position] = delta
+        return deltas
 
     # -- saving ------------------------------------------------------------------------------
 

@@ -20,11 +20,12 @@
 // ops do it: their mutexes are held, and a buffer that another tensor still
 // references is copied first (PrepareToUpdateVariable), so no concurrent read
 // observes the write. The N flat ranges, end to end, are split over the
-// intra-op thread pool; each shard runs, per variable it covers, a float vector loop for the widest instruction set the CPU
-// has (AVX-512, AVX2 with FMA, AVX2, SSE2 on x86-64; chosen at run time) and a
-// scalar tail. float64 runs the scalar loop. Where the CPU has FMA the vector
-// loops fuse multiply-adds: results then differ from the pure-TF path (which
-// rounds every product) by a few ulp, well inside the 1e-6 relative contract.
+// intra-op thread pool; each shard runs, for each variable it covers, a float
+// vector loop for the widest instruction set the CPU has (AVX-512, AVX2 with
+// FMA, AVX2, SSE2 on x86-64; chosen at run time) and a scalar tail. float64
+// runs the scalar loop. Where the CPU has FMA the vector loops fuse
+// multiply-adds: results then differ from the pure-TF path (which rounds every
+// product) by a few ulp, well inside the 1e-6 relative contract.
 
 #define EIGEN_USE_THREADS
 

@@ -74,14 +74,14 @@ def adam_offload_steps(ms, vs, grads, beta1_power, beta2_power, lr, beta1, beta2
     The compiled kernel takes them all in one call: one parallel pass over every
     element, so a model's hundreds of small variables cost about what one large
     variable of the same total size does. The moments must all be on one device
-    and have one dtype.
+    and have one dtype. The arguments not listed here are those of
+    :func:`adam_offload_step`.
 
     Args:
         ms, vs, grads: equal-length lists; entry ``i`` is one variable's moments
             and gradient, as in :func:`adam_offload_step`.
         variables: optional list of ``tf.Variable`` beside the moments: each
             ``delta`` is added to its variable in the same pass.
-        The other arguments are those of :func:`adam_offload_step`.
 
     Returns:
         The list of ``delta`` tensors, or None when ``variables`` is given.

@@ -33,6 +33,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -250,6 +251,29 @@ void RunShard(const std::vector<AdamSpan<T>>& spans, const std::vector<int64_t>&
   }
 }
 
+// The exclusive locks of the first `count` (resource) inputs, as TensorFlow's dense
+// training ops take them (MaybeLockVariableInputMutexesInOrder), but ordered by sorting:
+// TensorFlow's helper removes duplicates pairwise, which is quadratic in the count, and
+// these ops take three inputs per variable of a whole model.
+template <typename T>
+VariableInputLockHolder LockInAddressOrder(OpKernelContext* ctx, int count) {
+  std::vector<Var*> vars;
+  std::vector<tsl::mutex*> mutexes;
+  for (int i = 0; i < count; ++i) {
+    Var* var = nullptr;
+    tsl::mutex* mutex = GetTrainingVariableMutex<CPUDevice, T>(ctx, i, &var);
+    if (var != nullptr) vars.push_back(var);
+    if (mutex != nullptr) mutexes.push_back(mutex);
+  }
+  std::sort(mutexes.begin(), mutexes.end());
+  mutexes.erase(std::unique(mutexes.begin(), mutexes.end()), mutexes.end());
+  auto locks = std::make_unique<std::vector<tsl::mutex_lock>>();
+  locks->reserve(mutexes.size());
+  for (tsl::mutex* mutex : mutexes) locks->emplace_back(*mutex);
+  return VariableInputLockHolder(std::move(vars), std::move(locks),
+                                 std::make_unique<std::vector<tsl::tf_shared_lock>>());
+}
+
 template <typename T, bool kUpdateVariable>
 class AdamOffloadOp : public OpKernel {
  public:
@@ -267,7 +291,6 @@ class AdamOffloadOp : public OpKernel {
     auto name = [&](int input) {
       return absl::StrCat(names[input / n_], "[", input % n_, "]");
     };
-    std::vector<int> resource_inputs(grads);
     for (int i = 0; i < grads; ++i) {
       // Checked before anything reads the buffer as T.
       core::RefCountPtr<Var> resource;
@@ -277,12 +300,10 @@ class AdamOffloadOp : public OpKernel {
                       "'", name(i), "' must have the gradient's dtype ",
                       DataTypeString(DataTypeToEnum<T>::v()), ", but got ",
                       DataTypeString(resource->tensor()->dtype()), ".")));
-      resource_inputs[i] = i;
     }
     // Held until Compute returns: no other op reads or writes these buffers meanwhile.
-    auto locks = MaybeLockVariableInputMutexesInOrder<CPUDevice, T>(ctx, use_locking_,
-                                                                     /*sparse=*/false,
-                                                                     resource_inputs);
+    auto locks = LockInAddressOrder<T>(ctx, grads);
+    OP_REQUIRES_OK(ctx, ctx->status());
     std::vector<Tensor> state(grads);
     for (int i = 0; i < grads; ++i) {
       OP_REQUIRES_OK(ctx, GetInputTensorFromVariable<CPUDevice, T>(ctx, i, use_locking_,

@@ -1,4 +1,5 @@
 """Helpers for tests: fresh-process runs and tiny deterministic models/data."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,6 +10,15 @@ import keras
 import numpy as np
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def benchmark_module(name):
+    """``benchmarks/<name>.py`` imported as a module (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(REPO_ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def run_fresh_python(code, timeout=240):

@@ -1,12 +1,7 @@
 """The benchmarks' shared interleaved timing: every case timed, the order rotating by round."""
-import importlib.util
-import os
+from helpers import benchmark_module
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "timing", os.path.join(REPO_ROOT, "benchmarks", "timing.py"))
-timing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(timing)
+timing = benchmark_module("timing")
 
 
 def test_each_round_starts_one_case_further_on():

@@ -1,13 +1,9 @@
 """The convergence benchmark's scoring: first epoch at the target, medians over seeds, ratios."""
-import importlib.util
 import math
-import os
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_spec = importlib.util.spec_from_file_location(
-    "convergence", os.path.join(REPO_ROOT, "benchmarks", "convergence.py"))
-convergence = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(convergence)
+from helpers import benchmark_module
+
+convergence = benchmark_module("convergence")
 
 
 def test_to_target_takes_the_first_epoch_reaching_it():

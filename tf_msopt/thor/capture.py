@@ -23,7 +23,7 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.curvature_blocks import block_for
 
-__all__ = ["LayerStatistics", "ReportRow", "install", "survey"]
+__all__ = ["LayerStatistics", "ReportRow", "install", "survey", "when"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
 
@@ -92,6 +92,15 @@ class LayerStatistics:
         self.rows = buffer((), "rows")
 
 
+def when(condition, fn):
+    """``fn()`` where ``condition`` holds: a ``tf.cond``, or a plain call when ``condition`` is
+    the Python ``True`` (a kind of step that every step is, such as statistics every step),
+    so that no conditional is built that would always be taken."""
+    if condition is True:
+        return fn()
+    return tf.cond(condition, fn, lambda: tf.constant(False))
+
+
 def _replicas_in_sync():
     context = tf.distribute.get_replica_context()
     return 1 if context is None else context.num_replicas_in_sync
@@ -146,7 +155,7 @@ class _Capture:
                                           self.statistics.rows.assign(rows)]):
                 return tf.constant(True)
 
-        return tf.cond(self.is_statistics_step(), write, lambda: tf.constant(False))
+        return when(self.is_statistics_step(), write)
 
 
 def _patch(target, name, make):

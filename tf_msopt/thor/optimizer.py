@@ -12,7 +12,8 @@ from tf_msopt._validation import check_bool, check_float, check_int, check_numbe
 from tf_msopt.optimizers.base import (MindSporeOptimizer, check_filter, make_variable_filter,
                                       resolve_learning_rate, serialize_filter)
 from tf_msopt.thor import curvature_blocks
-from tf_msopt.thor.capture import LayerStatistics, ReportRow, install, install_model, survey
+from tf_msopt.thor.capture import (LayerStatistics, ReportRow, install, install_model, survey,
+                                   when)
 from tf_msopt.thor.blocks import robust_inverses
 from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.report import ThorReport
@@ -472,6 +473,10 @@ class THOR(MindSporeOptimizer):
     # --- the step
 
     def _every(self, steps):
+        """Whether this step is a multiple of ``steps``; the Python ``True`` when every step is
+        (see :func:`~tf_msopt.thor.capture.when`)."""
+        if steps == 1:
+            return True
         return tf.equal(tf.math.floormod(tf.convert_to_tensor(self.iterations), steps), 0)
 
     def _is_statistics_step(self):
@@ -560,7 +565,7 @@ class THOR(MindSporeOptimizer):
                                 (bucket, statistics, damping, g_scale))
             return tf.constant(True)
 
-        tf.cond(self._is_statistics_step(), refresh, lambda: tf.constant(False))
+        when(self._is_statistics_step(), refresh)
 
     def _refresh_bucket(self, device_variable, bucket, statistics, damping, g_scale):
         """One bucket's layers on one device, from statistics summed over replicas: the
@@ -576,8 +581,7 @@ class THOR(MindSporeOptimizer):
             layers.append((index, a, g, observed))
         if self.statistics_decay is None:   # statistics steps are inverse steps
             return self._invert_layers(layers, damping)
-        return tf.cond(self._is_inverse_step(), lambda: self._invert_layers(layers, damping),
-                       lambda: tf.constant(False))
+        return when(self._is_inverse_step(), lambda: self._invert_layers(layers, damping))
 
     def _average(self, index, a, g, observed):
         """Updates one layer's moving averages; returns them bias-corrected, and whether

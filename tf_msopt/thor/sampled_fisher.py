@@ -17,6 +17,8 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tf_msopt.thor.capture import when
+
 __all__ = ["OutputDistribution", "SampledFisher", "output_distribution"]
 
 _CATEGORICAL = {"sparse_categorical_crossentropy", "categorical_crossentropy"}
@@ -118,9 +120,8 @@ class SampledFisher:
                     # Still recording: the tape must see the sampled loss (computed in the
                     # branch) to differentiate it; _record stops it before the gradient.
                     if watched:
-                        tf.cond(self.is_statistics_step(),
-                                lambda: self._record(tape, watched, outputs),
-                                lambda: tf.constant(False))
+                        when(self.is_statistics_step(),
+                             lambda: self._record(tape, watched, outputs))
             finally:
                 self._watched, self._tape = None, None
             return outputs

@@ -71,9 +71,8 @@ def adam_offload_steps(ms, vs, grads, beta1_power, beta2_power, lr, beta1, beta2
                        assign=None, assign_add=None):
     """:func:`adam_offload_step` for several variables at once, with shared scalars.
 
-    The compiled kernel takes them all in one call: one parallel pass over every
-    element, so a model's hundreds of small variables cost about what one large
-    variable of the same total size does. The moments must all be on one device
+    The compiled kernel takes them all in one call: one op dispatch and one parallel
+    pass over every element, not one per variable. The moments must all be on one device
     and have one dtype. The arguments not listed here are those of
     :func:`adam_offload_step`.
 

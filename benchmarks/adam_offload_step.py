@@ -13,7 +13,12 @@ kernel, and, when installed, DeepSpeed's ``DeepSpeedCPUAdam`` and
 JSON.
 
     python benchmarks/adam_offload_step.py [--params 10000000] [--variables 10] [--rounds 15]
-                                           [--threads both|default|N] [--torch-site DIR]
+                                           [--threads both|default|N] [--idle-ms MS]
+                                           [--torch-site DIR]
+
+``--idle-ms`` sleeps before every timed step (untimed): the cadence of a real offload, where
+the host waits while the accelerator runs the forward and backward pass, so each step
+starts with cold thread pools and caches instead of right after the previous step.
 
 ``--threads`` sets TensorFlow's and PyTorch's thread counts alike: ``default``
 (their own, one per core), a number, or ``both`` (the default: the script runs
@@ -53,6 +58,9 @@ def parse_arguments():
     parser.add_argument("--calls-per-round", type=int, default=3)
     parser.add_argument("--threads", default="both",
                         help="both (default), default (one per core), or a number")
+    parser.add_argument("--idle-ms", type=float, default=0.0,
+                        help="sleep this long before each timed step (an offload's cadence: "
+                             "the host waits while the accelerator runs the model)")
     parser.add_argument("--torch-site", default=os.environ.get("TF_MSOPT_BENCH_TORCH_SITE"),
                         help="a site-packages folder holding torch and deepspeed")
     return parser.parse_args()
@@ -213,12 +221,13 @@ def cases(values, grads):
 def main():
     args = ARGS
     steps, notes = cases(VALUES, GRADS)
-    medians = time_cases(steps, args.rounds, args.calls_per_round)
+    medians = time_cases(steps, args.rounds, args.calls_per_round, idle=args.idle_ms / 1e3)
     throughput = {name: args.params / seconds / 1e6 for name, seconds in medians.items()}
 
     threads = THREADS or "default"
     print(f"{args.params:,} float32 params in {args.variables} variables, {os.cpu_count()} CPUs, "
-          f"threads: {threads}, TF {tf.__version__}, Keras {keras.__version__}; "
+          f"threads: {threads}, idle before each step: {args.idle_ms:g} ms, "
+          f"TF {tf.__version__}, Keras {keras.__version__}; "
           f"{mso.ops.custom_ops_status()}")
     for name, note in notes.items():
         print(f"{name}: {note}")
@@ -240,7 +249,7 @@ def main():
         print("target adam_offload vs DeepSpeedCPUAdam: not measured (DeepSpeed unavailable)")
     print(json.dumps({
         "benchmark": "adam_offload_step", "params": args.params, "variables": args.variables,
-        "threads": THREADS, "machine": {"cpus": os.cpu_count(),
+        "threads": THREADS, "idle_ms": args.idle_ms, "machine": {"cpus": os.cpu_count(),
                                         "processor": platform.processor() or platform.machine()},
         "custom_ops": mso.ops.custom_ops_available(), "notes": notes,
         "ms_per_step": {k: round(s * 1e3, 3) for k, s in medians.items()},

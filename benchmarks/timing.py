@@ -22,8 +22,13 @@ def balanced_orders(count):
     return orders
 
 
-def time_cases(steps, rounds, calls_per_round, warmup=3):
+def time_cases(steps, rounds, calls_per_round, warmup=3, idle=0.0):
     """Median seconds per call of each zero-argument callable in ``steps``.
+
+    With ``idle`` (seconds), the process sleeps that long before each call, outside
+    the timed span: a step that follows other work, as an offloaded optimizer's host
+    step follows the accelerator's forward and backward pass, instead of a step that
+    finds the caches and thread pools hot from its own previous call.
 
     Cases run interleaved, one batch of ``calls_per_round`` each per round, so
     noise on a shared machine hits them alike. The order changes every round
@@ -43,8 +48,17 @@ def time_cases(steps, rounds, calls_per_round, warmup=3):
         for position in orders[round_index % len(orders)]:
             name = names[position]
             step = steps[name]
-            start = time.perf_counter()
-            for _ in range(calls_per_round):
-                step()
-            samples[name].append((time.perf_counter() - start) / calls_per_round)
+            seconds = 0.0
+            if idle:
+                for _ in range(calls_per_round):
+                    time.sleep(idle)
+                    start = time.perf_counter()
+                    step()
+                    seconds += time.perf_counter() - start
+            else:
+                start = time.perf_counter()
+                for _ in range(calls_per_round):
+                    step()
+                seconds = time.perf_counter() - start
+            samples[name].append(seconds / calls_per_round)
     return {name: statistics.median(times) for name, times in samples.items()}

@@ -29,3 +29,11 @@ def test_rounds_run_in_the_balanced_orders():
     assert rounds == [list("abdc"), list("bcad"), list("cdba"), list("dacb"), list("abdc")]
     assert timed[::2] == timed[1::2]            # each case's calls back to back
     assert set(medians) == set("abcd") and all(seconds >= 0 for seconds in medians.values())
+
+
+def test_idle_time_before_each_call_is_not_timed():
+    calls = []
+    steps = {name: (lambda name=name: calls.append(name)) for name in "ab"}
+    medians = timing.time_cases(steps, rounds=2, calls_per_round=3, warmup=0, idle=0.02)
+    assert sorted(calls) == list("aaaaaabbbbbb")
+    assert all(seconds < 0.01 for seconds in medians.values())  # the 20 ms sleeps excluded

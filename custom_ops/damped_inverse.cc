@@ -21,6 +21,14 @@
 //
 // GPU kernel (built when setup.py is asked for CUDA, TF_MSOPT_WITH_CUDA
 // defined): the launcher in damped_inverse.cu, see there.
+//
+// MsOptDampedInverseRetry (CPU only): the same inverse with a damping per block
+// and THOR's second try in the same pass: a block that fails with its damping d
+// is inverted again with max(10 d, 1e-4 * mean |finite diagonal entry|) + 1e-6
+// (tf_msopt.ops.inverse.retry_damping). Outputs `retried` (the first try failed)
+// and `ok` (one of the tries succeeded). In a graph it stands for about thirty
+// ops (gathering the failed blocks, their damping, the second call, scattering
+// back), which cost more to trace and start than the inversion of small blocks.
 
 #if defined(TF_MSOPT_WITH_CUDA)
 #ifndef GOOGLE_CUDA
@@ -380,6 +388,36 @@ TensorShape BatchShape(const TensorShape& shape) {
   return batch;
 }
 
+// Runs attempt(b, block, result, workspace) -> bool for each finite one of `batch` n x n blocks of
+// `in`, sharded over the CPU threads with one 64-byte aligned workspace per shard; a
+// block whose attempt fails gets all zeros. ok[b] says which succeeded.
+template <typename T, typename Attempt>
+void InvertEachBlock(OpKernelContext* ctx, const T* in, Index n, int64_t batch, T* out,
+                     bool* ok, const Attempt& attempt) {
+  auto work = [&](int64_t begin, int64_t end) {
+    const size_t bytes = (sizeof(T) * WorkspaceSize(n) + 63) / 64 * 64;
+    T* workspace = static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
+    for (int64_t b = begin; b < end; ++b) {
+      const T* block = in + b * n * n;
+      T* result = out + b * n * n;
+      const bool good = workspace != nullptr && AllFinite(block, n * n) &&
+                        attempt(b, block, result, workspace);
+      if (!good) std::fill(result, result + n * n, T(0));
+      ok[b] = good;
+    }
+    std::free(workspace);
+  };
+  // About n^3 / 2 multiply-adds per block, plus copies (a retry is rare).
+  const int64_t cost = std::max<int64_t>(1, n * n * n / 2 + 4 * n * n);
+  auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
+  Shard(threads->num_threads, threads->workers, batch, cost, work);
+}
+
+template <typename T>
+BlockFn<T> BlockInverseFor(Index n) {
+  return n <= kSmall ? InvertSmall<T> : TiledFor<T>(SelectIsa());
+}
+
 template <typename T>
 class DampedInverseCpuOp : public OpKernel {
  public:
@@ -394,32 +432,80 @@ class DampedInverseCpuOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, matrices.shape(), &inverse));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, BatchShape(matrices.shape()), &ok));
     const Index n = matrices.dim_size(matrices.dims() - 1);
-    const Index batch = ok->NumElements();
+    const int64_t batch = ok->NumElements();
     if (batch == 0) return;
     const T damping = damping_tensor.scalar<T>()();
-    const T* in = matrices.flat<T>().data();
-    T* out = inverse->flat<T>().data();
-    bool* ok_out = ok->flat<bool>().data();
-    const BlockFn<T> invert = n <= kSmall ? InvertSmall<T> : TiledFor<T>(SelectIsa());
+    const BlockFn<T> invert = BlockInverseFor<T>(n);
+    InvertEachBlock<T>(ctx, matrices.flat<T>().data(), n, batch, inverse->flat<T>().data(),
+                       ok->flat<bool>().data(),
+                       [&](int64_t, const T* block, T* result, T* workspace) {
+                         return std::isfinite(damping) &&
+                                invert(block, n, damping, result, workspace);
+                       });
+  }
+};
 
-    auto work = [&](int64_t begin, int64_t end) {
-      // One 64-byte aligned workspace per shard, reused by its blocks.
-      const size_t bytes = (sizeof(T) * WorkspaceSize(n) + 63) / 64 * 64;
-      T* workspace = static_cast<T*>(std::aligned_alloc(64, std::max<size_t>(bytes, 64)));
-      for (int64_t b = begin; b < end; ++b) {
-        const T* block = in + b * n * n;
-        T* result = out + b * n * n;
-        const bool good = std::isfinite(damping) && AllFinite(block, n * n) &&
-                          (workspace != nullptr) && invert(block, n, damping, result, workspace);
-        if (!good) std::fill(result, result + n * n, T(0));
-        ok_out[b] = good;
-      }
-      std::free(workspace);
-    };
-    // About n^3 / 2 multiply-adds per block, plus copies.
-    const int64_t cost = std::max<int64_t>(1, n * n * n / 2 + 4 * n * n);
-    auto* threads = ctx->device()->tensorflow_cpu_worker_threads();
-    Shard(threads->num_threads, threads->workers, batch, cost, work);
+// The second try's damping: max(10 d, 1e-4 * mean |finite diagonal entry|) + 1e-6,
+// NaN when d is (as tf.maximum).
+template <typename T>
+T RetryDamping(const T* block, Index n, T damping) {
+  T sum = 0;
+  Index count = 0;
+  for (Index i = 0; i < n; ++i) {
+    const T entry = block[i * n + i];
+    if (std::isfinite(entry)) {
+      sum += std::abs(entry);
+      ++count;
+    }
+  }
+  const T mean = count > 0 ? sum / static_cast<T>(count) : T(0);
+  const T larger = std::isnan(damping) ? damping : std::max(T(10) * damping, T(1e-4) * mean);
+  return larger + T(1e-6);
+}
+
+template <typename T>
+class DampedInverseRetryCpuOp : public OpKernel {
+ public:
+  explicit DampedInverseRetryCpuOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& matrices = ctx->input(0);
+    const Tensor& damping_tensor = ctx->input(1);
+    const TensorShape& shape = matrices.shape();
+    OP_REQUIRES(ctx, shape.dims() >= 2 &&
+                         shape.dim_size(shape.dims() - 1) == shape.dim_size(shape.dims() - 2),
+                absl::InvalidArgumentError("MsOptDampedInverseRetry: 'matrices' must have shape "
+                                           "[..., n, n], but got " + shape.DebugString()));
+    const TensorShape batch_shape = BatchShape(shape);
+    OP_REQUIRES(ctx, damping_tensor.shape() == batch_shape,
+                absl::InvalidArgumentError(
+                    "MsOptDampedInverseRetry: 'damping' must have the batch shape " +
+                    batch_shape.DebugString() + ", but got " +
+                    damping_tensor.shape().DebugString()));
+    Tensor* inverse = nullptr;
+    Tensor* retried = nullptr;
+    Tensor* ok = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &inverse));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, batch_shape, &retried));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, batch_shape, &ok));
+    const Index n = shape.dim_size(shape.dims() - 1);
+    const int64_t batch = ok->NumElements();
+    if (batch == 0) return;
+    const T* dampings = damping_tensor.flat<T>().data();
+    bool* retried_out = retried->flat<bool>().data();
+    std::fill(retried_out, retried_out + batch, true);  // a non-finite block is never tried
+    const BlockFn<T> invert = BlockInverseFor<T>(n);
+    InvertEachBlock<T>(ctx, matrices.flat<T>().data(), n, batch, inverse->flat<T>().data(),
+                       ok->flat<bool>().data(),
+                       [&](int64_t b, const T* block, T* result, T* workspace) {
+                         auto attempt = [&](T damping) {
+                           return std::isfinite(damping) &&
+                                  invert(block, n, damping, result, workspace);
+                         };
+                         const bool first = attempt(dampings[b]);
+                         retried_out[b] = !first;
+                         return first || attempt(RetryDamping(block, n, dampings[b]));
+                       });
   }
 };
 
@@ -500,6 +586,41 @@ overflowed; such blocks get all-zero inverses. Never fails on numbers.
 #define MSOPT_REGISTER_CPU(T)                                                         \
   REGISTER_KERNEL_BUILDER(Name("MsOptDampedInverse").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
                           msopt_inverse::DampedInverseCpuOp<T>);
+MSOPT_REGISTER_CPU(float)
+MSOPT_REGISTER_CPU(double)
+#undef MSOPT_REGISTER_CPU
+
+REGISTER_OP("MsOptDampedInverseRetry")
+    .Input("matrices: T")
+    .Input("damping: T")
+    .Output("inverse: T")
+    .Output("retried: bool")
+    .Output("ok: bool")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      shape_inference::ShapeHandle matrices, batch, damping;
+      shape_inference::DimensionHandle n;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 2, &matrices));
+      TF_RETURN_IF_ERROR(c->Merge(c->Dim(matrices, -2), c->Dim(matrices, -1), &n));
+      TF_RETURN_IF_ERROR(c->Subshape(matrices, 0, -2, &batch));
+      TF_RETURN_IF_ERROR(c->Merge(c->input(1), batch, &damping));
+      shape_inference::ShapeHandle inverse;
+      TF_RETURN_IF_ERROR(c->Concatenate(damping, c->Matrix(n, n), &inverse));
+      c->set_output(0, inverse);
+      c->set_output(1, damping);
+      c->set_output(2, damping);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+inv(matrices + damping * I) per block, damping of the batch shape; a block that
+fails is inverted again with max(10 damping, 1e-4 * mean |finite diagonal|) + 1e-6.
+`retried`: the first try failed; `ok`: a try succeeded (else the block is zero).
+)doc");
+
+#define MSOPT_REGISTER_CPU(T)                                                         \
+  REGISTER_KERNEL_BUILDER(                                                            \
+      Name("MsOptDampedInverseRetry").Device(DEVICE_CPU).TypeConstraint<T>("T"),      \
+      msopt_inverse::DampedInverseRetryCpuOp<T>);
 MSOPT_REGISTER_CPU(float)
 MSOPT_REGISTER_CPU(double)
 #undef MSOPT_REGISTER_CPU

@@ -12,7 +12,8 @@ import tensorflow as tf
 import tf_msopt as mso
 from helpers import REPO_ROOT
 from tf_msopt.ops import _loader
-from tf_msopt.ops.inverse import OP_NAME, damped_inverse_with_status, inverse_backend
+from tf_msopt.ops.inverse import (OP_NAME, RETRY_OP_NAME, damped_inverse_with_retry,
+                                  damped_inverse_with_status, inverse_backend)
 
 SOURCE = os.path.join(REPO_ROOT, "custom_ops", "damped_inverse.cc")
 CUDA_SOURCE = os.path.join(REPO_ROOT, "custom_ops", "damped_inverse.cu")
@@ -181,6 +182,77 @@ def test_mirrored_strategy_replica_and_cross_replica(backend, two_cpu_strategy):
         assert bool(tf.reduce_all(ok))
         assert_close(inverses, numpy_inverse(matrices[replica]), 1e-5)
     assert_close(cross_replica, numpy_inverse(matrices), 1e-5)
+
+
+def numpy_retry_damping(matrix, damping):
+    diagonal = np.diag(matrix).astype(np.float64)
+    finite = np.abs(diagonal[np.isfinite(diagonal)])
+    return max(10.0 * damping, 1e-4 * (finite.mean() if finite.size else 0.0)) + 1e-6
+
+
+def _blocks_for_retry(n):
+    """0: SPD; 1: singular (fails with damping 0, not with the retry's); 2: indefinite
+    beyond any retry; 3: NaN on the diagonal; 4: SPD."""
+    matrices = spd_blocks([5], n).astype(np.float64)
+    matrices[1] = np.diag(np.r_[np.arange(1.0, n), 0.0])
+    matrices[2] -= 1e3 * np.eye(n)
+    matrices[3, 0, 0] = np.nan
+    dampings = np.array([DAMPING, 0.0, DAMPING, DAMPING, 0.3])
+    return matrices.astype(np.float32), dampings.astype(np.float32)
+
+
+@pytest.mark.parametrize("n", [2, 40])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_retry_matches_numpy(backend, n, compiled):
+    """A failed block is inverted again with max(10 d, 1e-4 mean|diag|) + 1e-6; blocks
+    failing both tries come back zero and not ok."""
+    matrices, dampings = _blocks_for_retry(n)
+    run = tf.function(damped_inverse_with_retry, jit_compile=True) if compiled else \
+        damped_inverse_with_retry
+    inverses, retried, ok = (t.numpy() for t in run(matrices, dampings))
+    np.testing.assert_array_equal(retried, [False, True, True, True, False])
+    np.testing.assert_array_equal(ok, [True, True, False, False, True])
+    for block in (0, 4):
+        assert_close(inverses[block], numpy_inverse(matrices[block], dampings[block]), 1e-5)
+    retry = numpy_retry_damping(matrices[1], 0.0)
+    assert retry > 2e-6                     # the mean diagonal term, not only the floor
+    assert_close(inverses[1], numpy_inverse(matrices[1], retry), 1e-5)
+    np.testing.assert_array_equal(inverses[2:4], 0.0)
+
+
+def test_retry_takes_a_scalar_damping_and_float64(backend):
+    matrices = spd_blocks([3], 9, np.float64)
+    inverses, retried, ok = damped_inverse_with_retry(matrices, DAMPING)
+    assert inverses.dtype == tf.float64 and not np.any(retried) and np.all(ok)
+    assert_close(inverses, numpy_inverse(matrices), 1e-12)
+
+
+def test_retry_is_one_op_in_a_cpu_graph(backend):
+    """With the compiled library the retry happens inside MsOptDampedInverseRetry; without
+    it, in the graph around the inverse."""
+    matrices, dampings = _blocks_for_retry(6)
+    graph = tf.function(damped_inverse_with_retry).get_concrete_function(
+        tf.constant(matrices), tf.constant(dampings)).graph
+    op_types = {op.type for op in graph.get_operations()}
+    assert (RETRY_OP_NAME in op_types) == (backend == "custom_op")
+    assert ("TensorScatterUpdate" in op_types) == (backend != "custom_op")
+
+
+def test_retry_op_contract_without_the_wrapper(op_library):
+    module = tf.load_op_library(op_library)
+    matrices = spd_blocks([3], 4)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'damping' must have the batch"):
+        module.ms_opt_damped_inverse_retry(matrices, np.ones(2, np.float32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"shape \[\.\.\., n, n\]"):
+        module.ms_opt_damped_inverse_retry(np.ones((2, 3), np.float32), np.ones(2, np.float32))
+    concrete = tf.function(module.ms_opt_damped_inverse_retry).get_concrete_function(
+        tf.TensorSpec([None, 5, None], tf.float32), tf.TensorSpec([None], tf.float32))
+    assert [o.shape.as_list() for o in concrete.structured_outputs] == [[None, 5, 5], [None],
+                                                                        [None]]
+    nan_damping = np.array([DAMPING, np.nan, DAMPING], np.float32)
+    _, retried, ok = module.ms_opt_damped_inverse_retry(matrices, nan_damping)
+    np.testing.assert_array_equal(retried.numpy(), [False, True, False])
+    np.testing.assert_array_equal(ok.numpy(), [True, False, True])
 
 
 @pytest.mark.parametrize("matrices, damping, error, match", [

@@ -36,9 +36,11 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context
 from tf_msopt.ops._loader import load_custom_ops
 
-__all__ = ["damped_inverse", "damped_inverse_with_status", "inverse_backend"]
+__all__ = ["damped_inverse", "damped_inverse_with_status", "damped_inverse_with_retry",
+           "retry_damping", "inverse_backend"]
 
 OP_NAME = "MsOptDampedInverse"
+RETRY_OP_NAME = "MsOptDampedInverseRetry"
 _OWNER = "damped_inverse"
 _DTYPES = (tf.float32, tf.float64)
 
@@ -93,6 +95,10 @@ def _loaded_op():
 def _op():
     """The compiled op when this trace may use it (never inside XLA)."""
     return None if in_xla_context() else _loaded_op()
+
+
+def _loaded_retry_op():
+    return getattr(load_custom_ops(), "ms_opt_damped_inverse_retry", None)
 
 
 def _identity_like(blocks):
@@ -198,6 +204,70 @@ def damped_inverse(matrices, damping):
          "positive definite; failed batch indices:", tf.where(~ok)], summarize=16)
     with tf.control_dependencies([check]):
         return tf.identity(inverse)
+
+
+def retry_damping(diagonal, damping):
+    """THOR's damping for a second try, per block (the last axis of ``diagonal`` is one
+    block's diagonal): ten times ``damping``, and at least a small fraction of the block's
+    mean finite diagonal entry (so that damping 0 on singular statistics also gets a second
+    try, whatever non-finite entry sits beside it)."""
+    finite = tf.math.is_finite(diagonal)
+    mean = tf.math.divide_no_nan(
+        tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0), axis=-1),
+        tf.reduce_sum(tf.cast(finite, diagonal.dtype), axis=-1))
+    return tf.maximum(10.0 * damping, 1e-4 * mean) + 1e-6
+
+
+def _invert_damped(matrices, diagonal, damping):
+    """:func:`damped_inverse_with_status` of ``matrices`` whose diagonal is ``diagonal``,
+    with a damping per block (bit-identical to the op adding it: one addition either way)."""
+    damped = tf.linalg.set_diag(matrices, diagonal + damping[..., None])
+    return _with_status(damped, tf.zeros([], matrices.dtype))
+
+
+def damped_inverse_with_retry(matrices, damping):
+    """:func:`damped_inverse_with_status` with a second try: a block that fails with its
+    ``damping`` is inverted again with :func:`retry_damping`.
+
+    Args:
+        matrices: float32/float64 tensor ``[batch, n, n]`` of symmetric blocks.
+        damping: the damping of each block, a tensor ``[batch]`` (or a scalar for all).
+
+    Returns:
+        ``(inverses, retried, ok)``: ``retried`` (bool ``[batch]``) where the first try
+        failed, ``ok`` where one of the tries succeeded; failed blocks are all zero.
+    """
+    matrices = _check_matrices(matrices)
+    damping = (tf.cast(damping, matrices.dtype) if tf.is_tensor(damping)
+               else tf.constant(damping, matrices.dtype))
+    if damping.shape.rank == 0:
+        damping = tf.broadcast_to(damping, tf.shape(matrices)[:-2])
+    fused = _loaded_retry_op() if inverse_backend() == "custom op (CPU)" else None
+    if fused is not None:
+        # One op: the retry in the graph is about thirty ops, dearer to trace and start
+        # than inverting small blocks. (A library built before it existed has not got it.)
+        return fused(matrices, damping)
+    diagonal = tf.linalg.diag_part(matrices)
+    inverses, ok = _invert_damped(matrices, diagonal, damping)
+    retried = tf.logical_not(ok)
+    if in_xla_context():
+        # Compiled code needs static shapes: every block is retried, under a conditional.
+        def retry():
+            second, second_ok = _invert_damped(matrices, diagonal,
+                                               retry_damping(diagonal, damping))
+            return tf.where(ok[:, None, None], inverses, second), ok | second_ok
+
+        inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
+        return inverses, retried, ok
+    # Only the failed blocks (usually none) are inverted again, with no conditional: one
+    # costs far more to build and start than a few ops on an empty batch.
+    failed = tf.where(retried)
+    failed_diagonal = tf.gather_nd(diagonal, failed)
+    second, second_ok = _invert_damped(
+        tf.gather_nd(matrices, failed), failed_diagonal,
+        retry_damping(failed_diagonal, tf.gather_nd(damping, failed)))
+    return (tf.tensor_scatter_nd_update(inverses, failed, second), retried,
+            tf.tensor_scatter_nd_update(ok, failed, second_ok))
 
 
 def _has_gpu_kernel():

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 import tensorflow as tf
 
-from tf_msopt._common import in_xla_context
+from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
 __all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "robust_inverses",
            "left_multiply", "right_multiply", "robust_reciprocal"]
@@ -87,18 +87,6 @@ def right_multiply(matrix, blocks, layout):
     return tf.concat(products, axis=1)
 
 
-def _retry_damping(diagonal, damping):
-    """More damping for a second try, per block (the last axis of ``diagonal`` is one
-    block's diagonal): ten times as much, and at least a small fraction of the block's mean
-    finite diagonal entry (so that damping 0 on singular statistics also gets a second try,
-    whatever non-finite entry sits beside it)."""
-    finite = tf.math.is_finite(diagonal)
-    mean = tf.math.divide_no_nan(
-        tf.reduce_sum(tf.where(finite, tf.abs(diagonal), 0.0), axis=-1),
-        tf.reduce_sum(tf.cast(finite, diagonal.dtype), axis=-1))
-    return tf.maximum(10.0 * damping, 1e-4 * mean) + 1e-6
-
-
 def robust_inverse(matrices, damping, previous):
     """``inv(M + damping*I)`` per block that never returns a non-finite block.
 
@@ -148,53 +136,22 @@ def robust_inverses(factors, use=None):
 
 
 def _robust_inverse_group(factors, use):
-    """:func:`robust_inverses` of factors whose blocks have one size, in one call. Each
-    block's damping is added to its diagonal first (bit-identical to the op adding it:
-    one addition either way)."""
-    from tf_msopt.ops.inverse import damped_inverse_with_status
-
+    """:func:`robust_inverses` of factors whose blocks have one size, in one call."""
     def joined(tensors):
         return tf.concat(tensors, axis=0) if len(tensors) > 1 else tensors[0]
 
     counts = [m.shape[0] for m, _, _ in factors]
     matrices = joined([m for m, _, _ in factors])
     if all(damping is factors[0][1] for _, damping, _ in factors):
-        dampings = tf.cast(factors[0][1], matrices.dtype)    # one for every block
+        dampings = factors[0][1]    # one for every block
     else:
         dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
                               for count, (_, damping, _) in zip(counts, factors)], axis=0)
-    diagonal = tf.linalg.diag_part(matrices)
-
-    def invert(blocks, block_diagonal, block_dampings):
-        damped = tf.linalg.set_diag(blocks, block_diagonal + tf.reshape(block_dampings, [-1, 1]))
-        return damped_inverse_with_status(damped, 0.0)
-
-    inverses, ok = invert(matrices, diagonal, dampings)
-    retried = tf.logical_not(ok)
-    if in_xla_context():
-        # Compiled code needs static shapes: every block is retried, under a conditional.
-        def retry():
-            second, second_ok = invert(matrices, diagonal, _retry_damping(diagonal, dampings))
-            return tf.where(ok[:, None, None], inverses, second), ok | second_ok
-
-        inverses, ok = tf.cond(tf.reduce_all(ok), lambda: (inverses, ok), retry)
-    else:
-        # Only the failed blocks (usually none) are inverted again, with no conditional:
-        # one costs far more to build and start than a few ops on an empty batch.
-        failed = tf.where(retried)
-        failed_diagonal = tf.gather_nd(diagonal, failed)
-        if dampings.shape.rank:
-            dampings = tf.gather_nd(dampings, failed)
-        second, second_ok = invert(tf.gather_nd(matrices, failed), failed_diagonal,
-                                   _retry_damping(failed_diagonal, dampings))
-        inverses = tf.tensor_scatter_nd_update(inverses, failed, second)
-        ok = tf.tensor_scatter_nd_update(ok, failed, second_ok)
-    ok = ok & tf.reduce_all(tf.math.is_finite(inverses), axis=[1, 2])
+    inverses, retried, ok = damped_inverse_with_retry(matrices, dampings)
     # Which factor each block belongs to is known when tracing: one gather, not one op per
     # factor.
     used = tf.gather(tf.stack(use), np.repeat(np.arange(len(factors)), counts))
-    updated = ok & used
-    inverses = tf.where(tf.reshape(updated, [-1, 1, 1]), inverses,
+    inverses = tf.where(tf.reshape(ok & used, [-1, 1, 1]), inverses,
                         joined([previous for _, _, previous in factors]))
     split = [inverses] if len(factors) == 1 else tf.split(inverses, counts)
     return split, _count(retried & used), _count(used & tf.logical_not(ok))
@@ -208,7 +165,7 @@ def robust_reciprocal(diagonal, damping, previous):
         return tf.math.reciprocal_no_nan(tf.where(ok, value, 1.0)), ok
 
     first, ok = reciprocal(diagonal + damping)
-    second, second_ok = reciprocal(diagonal + _retry_damping(diagonal, damping))
+    second, second_ok = reciprocal(diagonal + retry_damping(diagonal, damping))
     result = tf.where(ok, first, tf.where(second_ok, second, previous))
     retried = tf.logical_not(tf.reduce_all(ok))
     kept = tf.logical_not(tf.reduce_all(ok | second_ok))

@@ -31,8 +31,9 @@ the same way.
     python benchmarks/convergence.py [--task mlp,cnn,mnist1d] [--optimizers THOR,Adam]
                                      [--seeds 0,1,2] [--max-epochs 25] [--batch-size 64]
                                      [--frequency F] [--save results.json]
-                                     [--plot convergence.png]
+                                     [--rounds R] [--plot convergence.png]
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
+                                     [--rounds R --save retimed.json]
 
 ``--save`` writes every run (per seed: epochs and seconds to the target, the
 validation accuracy and time of every epoch) to a JSON file; ``--from`` reads one
@@ -45,6 +46,13 @@ whether the epochs target is within reach of each grid at all: the per-seed best
 validation accuracy that any setting reaches within half the best first-order epochs
 bounds every setting, so a median of those below the target means no setting of that
 grid can meet it.
+
+``--rounds R`` then runs each optimizer's best setting (of the grids just run, or of the
+``--from`` files) R more times, interleaved (round
+``r`` in order ``r`` of a balanced design, as the step benchmarks do), and compares
+THOR's median seconds with the best first-order optimizer's from those rounds: the grid
+runs one optimizer after another, so a machine that drifts during the run (this one does,
+by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
 import json
@@ -64,6 +72,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.compare import first_reaching, load_digits_split, make_model, prepare  # noqa: E402
+from timing import balanced_orders  # noqa: E402
 
 TASKS = {  # name -> data set, target validation accuracy
     "mlp": {"data": "digits", "target": 0.97, "title": "digits MLP"},
@@ -242,6 +251,9 @@ class EpochTimer(keras.callbacks.Callback):
 def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, target):
     """One run; returns ``{"val_accuracy": [...], "epoch_seconds": [...]}`` per epoch."""
     x_train, x_val, y_train, y_val = data
+    # Untimed: the earlier runs' models and traced functions are freed here, not by a
+    # garbage collection inside this run's epochs (as a run in a fresh process would).
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     model = build_model(task, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
     model.set_weights(initial_weights)
@@ -287,20 +299,19 @@ def kfac_jax_runs(task, target):
             for label, kwargs in kfac_jax_baseline.grid(task)]
 
 
-def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None,
-        progress=None):
-    """``({optimizer: {setting: {"params", "epochs", "seconds", "val_accuracy",
-    "epoch_seconds"}}}, THOR's frequency)``, each list one entry per seed.
-    ``progress(results, frequency)`` is called after every setting."""
+def _prepare(task, seeds, batch_size):
+    """Each seed's data and initial weights, and the steps of an epoch."""
     splits = {seed: load_task(task, seed) for seed in seeds}
     initial = {}
     for seed, data in splits.items():
         keras.utils.set_random_seed(seed)
         classes = int(max(data[2].max(), data[3].max())) + 1
         initial[seed] = build_model(task, data[0].shape[1:], classes).get_weights()
-    steps_per_epoch = -(-len(splits[seeds[0]][0]) // batch_size)
-    frequency = frequency or max(2, steps_per_epoch // 2)   # THOR: new inverses twice an epoch
+    return splits, initial, -(-len(splits[seeds[0]][0]) // batch_size)
 
+
+def _runners(task, target, frequency, optimizers):
+    """``{optimizer: [(setting label, params, train(data, weights, epochs, batch, seed))]}``."""
     runners = {}
     for name, settings in grids(task, frequency).items():
         runners[name] = [
@@ -312,17 +323,31 @@ def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=
         kfac = kfac_jax_runs(task, target)
         if kfac:
             runners["kfac-jax"] = kfac
-    runners = {name: r for name, r in runners.items()
-               if not optimizers or name in optimizers}
+    return {name: r for name, r in runners.items() if not optimizers or name in optimizers}
+
+
+def _train_seeds(train, splits, initial, max_epochs, batch_size, seeds, target):
+    histories = [train(splits[seed], initial[seed], max_epochs, batch_size, seed)
+                 for seed in seeds]
+    epochs, seconds = zip(*(to_target(h, target) for h in histories))
+    return histories, list(epochs), list(seconds)
+
+
+def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None,
+        progress=None):
+    """``({optimizer: {setting: {"params", "epochs", "seconds", "val_accuracy",
+    "epoch_seconds"}}}, THOR's frequency)``, each list one entry per seed.
+    ``progress(results, frequency)`` is called after every setting."""
+    splits, initial, steps_per_epoch = _prepare(task, seeds, batch_size)
+    frequency = frequency or max(2, steps_per_epoch // 2)   # THOR: new inverses twice an epoch
     results = {}
-    for name, settings in runners.items():
+    for name, settings in _runners(task, target, frequency, optimizers).items():
         results[name] = {}
         for label, params, train in settings:
-            histories = [train(splits[seed], initial[seed], max_epochs, batch_size, seed)
-                         for seed in seeds]
-            epochs, seconds = zip(*(to_target(h, target) for h in histories))
+            histories, epochs, seconds = _train_seeds(train, splits, initial, max_epochs,
+                                                      batch_size, seeds, target)
             results[name][label] = {
-                "params": params, "epochs": list(epochs), "seconds": list(seconds),
+                "params": params, "epochs": epochs, "seconds": seconds,
                 "val_accuracy": [h["val_accuracy"] for h in histories],
                 "epoch_seconds": [_epoch_seconds(h) for h in histories]}
             print(f"{task:<8}{name:<17}{label:<26}epochs to {target:g} per seed: "
@@ -331,6 +356,34 @@ def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=
             if progress:
                 progress(results, frequency)
     return results, frequency
+
+
+def retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds):
+    """Runs each optimizer's best setting in ``results`` (those that reach the target) again,
+    ``rounds`` times, interleaved: round ``r`` takes the optimizers in order ``r`` of a
+    balanced design, so that the machine's drift during a run, and whatever one run leaves
+    behind, fall on every optimizer alike. Returns ``{optimizer: {"setting", "epochs",
+    "seconds"}}``, one list of per-seed values per round."""
+    best = {name: label for name, (label, epochs, _) in best_settings(results).items()
+            if math.isfinite(epochs)}
+    runners = _runners(task, target, frequency, list(best))
+    trains = {name: next(train for label, _, train in runners[name] if label == best[name])
+              for name in best}
+    splits, initial, _ = _prepare(task, seeds, batch_size)
+    names = list(best)
+    out = {name: {"setting": best[name], "epochs": [], "seconds": []} for name in names}
+    orders = balanced_orders(len(names))
+    for round_index in range(rounds):
+        for case in orders[round_index % len(orders)]:
+            name = names[case]
+            _, epochs, seconds = _train_seeds(trains[name], splits, initial, max_epochs,
+                                              batch_size, seeds, target)
+            out[name]["epochs"].append(epochs)
+            out[name]["seconds"].append(seconds)
+            print(f"{task:<8}round {round_index + 1}/{rounds} {name:<17}{best[name]:<26}"
+                  f"epochs {' '.join(_show(e) for e in epochs):<12} seconds median "
+                  f"{median(seconds):6.2f}", flush=True)
+    return out
 
 
 def _epoch_seconds(history):
@@ -434,6 +487,11 @@ def save_results(path, tasks):
                        for label, r in settings.items()}
                 for name, settings in info["runs"].items()}
         payload["tasks"][task] = {**info, "runs": runs}
+        if "retimed" in info:
+            payload["tasks"][task]["retimed"] = {
+                name: {**r, "epochs": [[_json_number(e) for e in row] for row in r["epochs"]],
+                       "seconds": [[_json_number(x) for x in row] for row in r["seconds"]]}
+                for name, r in info["retimed"].items()}
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
     os.replace(path + ".tmp", path)
@@ -454,6 +512,11 @@ def load_results(paths):
                         raise ValueError(f"{path}: {task} {key} {info[key]} differs from "
                                          f"{merged.get(key)} of an earlier file")
             merged.setdefault("sources", []).append(os.path.basename(path))
+            if "retimed" in info:     # the latest file's re-timing
+                merged["retimed"] = {
+                    name: {**r, "epochs": [[_from_json(e) for e in row] for row in r["epochs"]],
+                           "seconds": [[_from_json(x) for x in row] for row in r["seconds"]]}
+                    for name, r in info["retimed"].items()}
             for name, settings in info["runs"].items():
                 merged["runs"].setdefault(name, {}).update({
                     label: {**r, "epochs": [_from_json(e) for e in r["epochs"]],
@@ -515,6 +578,7 @@ def report(tasks, plot=None):
                 verdict = "within reach" if median(values) >= target else "out of reach"
                 print(f"  {name}: {', '.join(f'{v:.3f}' for v in values)} "
                       f"(median {median(values):.3f}: {verdict})")
+        retimed = report_retimed(info["retimed"]) if "retimed" in info else None
         summary[task] = {
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),
@@ -526,10 +590,56 @@ def report(tasks, plot=None):
             "best_accuracy_by_epoch": ({"epochs": within, **{
                 name: [round(v, 4) for v in values] for name, values in reach.items()}}
                 if reach else None),
+            "retimed": retimed,
         }
     if plot:
         print(f"plot saved to {plot_best(tasks, plot)}")
     return summary
+
+
+def retimed_seconds(retimed):
+    """``{optimizer: (median seconds of each round, their median)}``; a round's seconds are
+    the median over its seeds."""
+    out = {}
+    for name, r in retimed.items():
+        per_round = [median(seconds) for seconds in r["seconds"]]
+        out[name] = (per_round, median(per_round))
+    return out
+
+
+def report_retimed(retimed):
+    """Prints the re-timed best settings and THOR's seconds against the best first-order
+    optimizer's; returns them for the JSON line."""
+    seconds = retimed_seconds(retimed)
+    rounds = len(next(iter(retimed.values()))["seconds"])
+    print(f"Re-timed: each best setting again in {rounds} interleaved rounds (a balanced "
+          f"order per round); seconds: the median over the seeds of a round, then over the "
+          f"rounds")
+    print("| optimizer | setting | epochs per seed, each round | seconds per round | "
+          "median seconds |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in retimed.items():
+        per_round, overall = seconds[name]
+        epochs = "; ".join(", ".join(_show(e) for e in row) for row in r["epochs"])
+        print(f"| {name} | {r['setting']} | {epochs} | "
+              f"{', '.join(f'{x:.2f}' for x in per_round)} | {overall:.2f} |")
+    first_order = [name for name in FIRST_ORDER if name in seconds]
+    ratios_found = {}
+    if first_order:
+        reference = min(first_order, key=lambda name: seconds[name][1])
+        for name in seconds:
+            if name.startswith("THOR"):
+                ratio = seconds[name][1] / seconds[reference][1]
+                per_round = [a / b for a, b in zip(seconds[name][0], seconds[reference][0])]
+                ratios_found[name] = round(ratio, 3)
+                print(f"{name}: seconds_vs_best_first_order {ratio:.2f}x re-timed against "
+                      f"{reference} (target < 1x: {'meets' if ratio < 1 else 'MISSES'}; per "
+                      f"round {min(per_round):.2f}x-{max(per_round):.2f}x)")
+    return {"seconds": {name: {"setting": retimed[name]["setting"],
+                               "per_round": [_json_number(x) for x in per_round],
+                               "median": _json_number(overall)}
+                        for name, (per_round, overall) in seconds.items()},
+            "seconds_vs_best_first_order": ratios_found}
 
 
 def _ordered(results):
@@ -622,12 +732,22 @@ def main(argv=None):
     parser.add_argument("--note", default="",
                         help="conditions of the run, kept in the --save file")
     parser.add_argument("--plot", default="convergence.png", help="'' for no plot")
+    parser.add_argument("--rounds", type=int, default=0,
+                        help="after the grids, run each optimizer's best setting again this "
+                             "many times, interleaved, and compare those seconds")
     args = parser.parse_args(argv)
 
     if args.sources:
         tasks = load_results(args.sources)
         wanted = _names(args.task, TASKS, "tasks")
         tasks = {t: info for t, info in tasks.items() if t in wanted}
+        if args.rounds:
+            for task, info in tasks.items():
+                info["retimed"] = retime(task, info["target"], info["seeds"], info["max_epochs"],
+                                         info["batch_size"], info["thor_frequency"],
+                                         info["runs"], args.rounds)
+            if args.save:
+                save_results(args.save, tasks)
     else:
         wanted = _names(args.task, TASKS, "tasks")
         optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
@@ -644,14 +764,18 @@ def main(argv=None):
                   f"seeds {seeds}, {os.cpu_count()} CPUs, TF {tf.__version__}, "
                   f"Keras {keras.__version__}", flush=True)
 
-            def progress(results, frequency, task=task, target=target):
+            def progress(results, frequency, task=task, target=target, **retimed):
                 tasks[task] = dict(meta, target=target, seeds=seeds, thor_frequency=frequency,
-                                   runs=results)
+                                   runs=results, **retimed)
                 if args.save:   # after every setting: an interrupted run keeps what it did
                     save_results(args.save, tasks)
 
-            run(task, target, seeds, args.max_epochs, args.batch_size, args.frequency,
-                optimizers, progress)
+            results, frequency = run(task, target, seeds, args.max_epochs, args.batch_size,
+                                     args.frequency, optimizers, progress)
+            if args.rounds:
+                progress(results, frequency, retimed=retime(
+                    task, target, seeds, args.max_epochs, args.batch_size, frequency, results,
+                    args.rounds))
     summary = report(tasks, args.plot or None)
     print(json.dumps({"benchmark": "convergence", "tasks": summary}))
 

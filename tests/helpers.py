@@ -13,9 +13,12 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def benchmark_module(name):
-    """``benchmarks/<name>.py`` imported as a module (the folder is not a package)."""
-    spec = importlib.util.spec_from_file_location(
-        name, os.path.join(REPO_ROOT, "benchmarks", f"{name}.py"))
+    """``benchmarks/<name>.py`` imported as a module (the folder is not a package), with the
+    folder on ``sys.path`` as when it runs as a script (benchmarks import ``timing``)."""
+    folder = os.path.join(REPO_ROOT, "benchmarks")
+    if folder not in sys.path:
+        sys.path.append(folder)
+    spec = importlib.util.spec_from_file_location(name, os.path.join(folder, f"{name}.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

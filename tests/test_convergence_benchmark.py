@@ -122,3 +122,42 @@ def test_report_says_whether_half_the_epochs_is_within_reach_of_the_grid(capsys)
     out = capsys.readouterr().out
     assert "0.97 within 2 epoch(s)" in out
     assert "THOR: 0.970, 0.960, 0.960 (median 0.960: out of reach)" in out
+
+
+def test_retime_interleaves_the_best_settings_in_balanced_orders(monkeypatch, tmp_path):
+    """Each round runs every optimizer's best setting (one that reaches the target) once, in
+    the next order of the balanced design; the re-timed ratio uses the rounds' medians."""
+    inf = math.inf
+    results = {
+        "THOR": {"good": {"epochs": [2, 3, 3], "seconds": [1.0, 1.1, 1.2]},
+                 "bad": {"epochs": [9, 9, 9], "seconds": [3.0, 3.0, 3.0]}},
+        "Adam": {"a": {"epochs": [5, 5, 5], "seconds": [1.5, 1.5, 1.5]}},
+        "SGD-momentum": {"never": {"epochs": [inf] * 3, "seconds": [inf] * 3}},
+    }
+    calls, seconds = [], {"THOR": [0.9, 1.1, 1.0], "Adam": [1.2, 1.6, 1.0]}
+
+    def trainer(name, label):
+        def train(data, weights, epochs, batch, seed):
+            calls.append((name, label, seed))
+            per_round = seconds[name][sum(c[0] == name for c in calls[:-1]) // 3]
+            return {"val_accuracy": [0.99], "epoch_seconds": [per_round]}
+        return train
+
+    monkeypatch.setattr(convergence, "_prepare", lambda task, seeds, batch: (
+        {s: None for s in seeds}, {s: None for s in seeds}, 20))
+    monkeypatch.setattr(convergence, "_runners", lambda task, target, frequency, names: {
+        name: [(label, {}, trainer(name, label)) for label in results[name]] for name in names})
+    retimed = convergence.retime("mlp", 0.97, [0, 1, 2], 25, 64, 10, results, rounds=3)
+    assert set(retimed) == {"THOR", "Adam"}                  # SGD never reached the target
+    assert retimed["THOR"]["setting"] == "good"
+    assert {label for _, label, _ in calls} == {"good", "a"}
+    order = [name for name, _, seed in calls if seed == 0]
+    assert order == ["THOR", "Adam", "Adam", "THOR", "THOR", "Adam"]
+    assert retimed["Adam"]["seconds"] == [[1.2] * 3, [1.6] * 3, [1.0] * 3]
+    summary = convergence.report_retimed(retimed)
+    assert summary["seconds"]["THOR"]["median"] == 1.0
+    assert summary["seconds_vs_best_first_order"] == {"THOR": round(1.0 / 1.2, 3)}
+    path = str(tmp_path / "r.json")
+    convergence.save_results(path, {"mlp": {"target": 0.97, "seeds": [0, 1, 2], "runs": results,
+                                            "retimed": retimed}})
+    assert convergence.load_results([path])["mlp"]["retimed"] == retimed

@@ -576,30 +576,34 @@ class THOR(MindSporeOptimizer):
             observed = rows > 0
             rows = tf.maximum(rows, 1.0)
             a, g = a / rows, g / rows * g_scale
-            if self.statistics_decay is not None:
-                a, g, observed = self._average(index, a, g, observed)
-            layers.append((index, a, g, observed))
+            if self.statistics_decay is None:
+                layers.append((index, a, g, observed))
+            else:
+                self._update_averages(index, a, g, observed)
         if self.statistics_decay is None:   # statistics steps are inverse steps
             return self._invert_layers(layers, damping)
-        return when(self._is_inverse_step(), lambda: self._invert_layers(layers, damping))
+        # The bias-corrected averages are read only where they are inverted.
+        return when(self._is_inverse_step(), lambda: self._invert_layers(
+            [self._corrected_averages(index) for index in bucket], damping))
 
-    def _average(self, index, a, g, observed):
-        """Updates one layer's moving averages; returns them bias-corrected, and whether
-        there is anything averaged yet."""
+    def _update_averages(self, index, a, g, observed):
+        """Updates one layer's moving averages of A and G and its count of updates."""
         beta = self.statistics_decay
-        count = self.statistics_counts[index]
         # A step whose statistics are not finite leaves the averages alone.
         update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
             tf.math.is_finite(g))
-        averages = []
         for average, value in ((self.a_averages[index], a), (self.g_averages[index], g)):
             self.assign(average, tf.where(update, beta * average + (1.0 - beta) * value,
                                           average))
-            averages.append(tf.convert_to_tensor(average))
-        self.assign_add(count, tf.cast(update, tf.float32))
-        count = tf.convert_to_tensor(count)
-        correction = 1.0 - tf.pow(tf.constant(beta), tf.maximum(count, 1.0))
-        return averages[0] / correction, averages[1] / correction, count > 0
+        self.assign_add(self.statistics_counts[index], tf.cast(update, tf.float32))
+
+    def _corrected_averages(self, index):
+        """``(index, A, G, observed)`` of one layer from its bias-corrected moving averages;
+        observed once anything is averaged."""
+        count = tf.convert_to_tensor(self.statistics_counts[index])
+        correction = 1.0 - tf.pow(tf.constant(self.statistics_decay), tf.maximum(count, 1.0))
+        return (index, tf.convert_to_tensor(self.a_averages[index]) / correction,
+                tf.convert_to_tensor(self.g_averages[index]) / correction, count > 0)
 
     def _layer_damping(self, block, a, g, damping):
         """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or split by the factors' traces."""

@@ -51,8 +51,8 @@ grid can meet it.
 ``--from`` files) R more times, interleaved (round
 ``r`` in order ``r`` of a balanced design, as the step benchmarks do), and compares
 THOR's median seconds with the best first-order optimizer's from those rounds: the grid
-runs one optimizer after another, so a machine that drifts during the run (this one does,
-by 10-20%) moves their seconds apart; the rounds share the drift.
+runs one optimizer after another, so a machine that drifts during the run (a shared one
+can, by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
 import json
@@ -366,6 +366,8 @@ def retime(task, target, seeds, max_epochs, batch_size, frequency, results, roun
     "seconds"}}``, one list of per-seed values per round."""
     best = {name: label for name, (label, epochs, _) in best_settings(results).items()
             if math.isfinite(epochs)}
+    if not best:
+        return {}
     runners = _runners(task, target, frequency, list(best))
     trains = {name: next(train for label, _, train in runners[name] if label == best[name])
               for name in best}
@@ -488,13 +490,17 @@ def save_results(path, tasks):
                 for name, settings in info["runs"].items()}
         payload["tasks"][task] = {**info, "runs": runs}
         if "retimed" in info:
-            payload["tasks"][task]["retimed"] = {
-                name: {**r, "epochs": [[_json_number(e) for e in row] for row in r["epochs"]],
-                       "seconds": [[_json_number(x) for x in row] for row in r["seconds"]]}
-                for name, r in info["retimed"].items()}
+            payload["tasks"][task]["retimed"] = _map_retimed(info["retimed"], _json_number)
     with open(path + ".tmp", "w") as f:
         json.dump(payload, f)
     os.replace(path + ".tmp", path)
+
+
+def _map_retimed(retimed, convert):
+    """:func:`retime`'s result with ``convert`` applied to every epoch count and time."""
+    return {name: {**r, **{key: [[convert(value) for value in row] for row in r[key]]
+                           for key in ("epochs", "seconds")}}
+            for name, r in retimed.items()}
 
 
 def load_results(paths):
@@ -513,10 +519,7 @@ def load_results(paths):
                                          f"{merged.get(key)} of an earlier file")
             merged.setdefault("sources", []).append(os.path.basename(path))
             if "retimed" in info:     # the latest file's re-timing
-                merged["retimed"] = {
-                    name: {**r, "epochs": [[_from_json(e) for e in row] for row in r["epochs"]],
-                           "seconds": [[_from_json(x) for x in row] for row in r["seconds"]]}
-                    for name, r in info["retimed"].items()}
+                merged["retimed"] = _map_retimed(info["retimed"], _from_json)
             for name, settings in info["runs"].items():
                 merged["runs"].setdefault(name, {}).update({
                     label: {**r, "epochs": [_from_json(e) for e in r["epochs"]],
@@ -578,7 +581,7 @@ def report(tasks, plot=None):
                 verdict = "within reach" if median(values) >= target else "out of reach"
                 print(f"  {name}: {', '.join(f'{v:.3f}' for v in values)} "
                       f"(median {median(values):.3f}: {verdict})")
-        retimed = report_retimed(info["retimed"]) if "retimed" in info else None
+        retimed = report_retimed(info["retimed"]) if info.get("retimed") else None
         summary[task] = {
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),

@@ -161,3 +161,11 @@ def test_retime_interleaves_the_best_settings_in_balanced_orders(monkeypatch, tm
     convergence.save_results(path, {"mlp": {"target": 0.97, "seeds": [0, 1, 2], "runs": results,
                                             "retimed": retimed}})
     assert convergence.load_results([path])["mlp"]["retimed"] == retimed
+
+
+def test_retime_without_a_setting_at_the_target_runs_nothing():
+    inf = math.inf
+    results = {"THOR": {"x": {"epochs": [inf] * 3, "seconds": [inf] * 3}}}
+    assert convergence.retime("mlp", 0.97, [0, 1, 2], 25, 64, 10, results, rounds=3) == {}
+    assert convergence.report({"mlp": {"target": 0.97, "runs": results,
+                                       "retimed": {}}})["mlp"]["retimed"] is None

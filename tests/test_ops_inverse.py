@@ -227,6 +227,11 @@ def test_retry_takes_a_scalar_damping_and_float64(backend):
     assert_close(inverses, numpy_inverse(matrices), 1e-12)
 
 
+def test_retry_refuses_a_damping_of_another_shape(backend):
+    with pytest.raises(ValueError, match="'damping' must be a scalar or have the batch shape"):
+        damped_inverse_with_retry(spd_blocks([3], 4), np.ones(2, np.float32))
+
+
 def test_retry_is_one_op_in_a_cpu_graph(backend):
     """With the compiled library the retry happens inside MsOptDampedInverseRetry; without
     it, in the graph around the inverse."""

@@ -236,12 +236,19 @@ def damped_inverse_with_retry(matrices, damping):
     Returns:
         ``(inverses, retried, ok)``: ``retried`` (bool ``[batch]``) where the first try
         failed, ``ok`` where one of the tries succeeded; failed blocks are all zero.
+
+    Raises:
+        TypeError, ValueError: as :func:`damped_inverse_with_status`, and ValueError for a
+            ``damping`` that is neither a scalar nor of the batch shape.
     """
     matrices = _check_matrices(matrices)
     damping = (tf.cast(damping, matrices.dtype) if tf.is_tensor(damping)
                else tf.constant(damping, matrices.dtype))
     if damping.shape.rank == 0:
         damping = tf.broadcast_to(damping, tf.shape(matrices)[:-2])
+    elif not damping.shape.is_compatible_with(matrices.shape[:-2]):
+        raise ValueError(f"For '{_OWNER}', the 'damping' must be a scalar or have the batch "
+                         f"shape {matrices.shape[:-2]}, but got shape {damping.shape}.")
     fused = _loaded_retry_op() if inverse_backend() == "custom op (CPU)" else None
     if fused is not None:
         # One op: the retry in the graph is about thirty ops, dearer to trace and start

@@ -316,6 +316,10 @@ def test_model_zoo_schedules():
     (keras.layers.Conv2D(3, 2, strides=2, padding="valid", data_format="channels_first"),
      (2, 2, 7, 6)),
     (keras.layers.Conv1D(3, 3, strides=2, padding="same"), (2, 9, 2)),
+    (keras.layers.Conv1D(3, 3, padding="causal", dilation_rate=2), (2, 9, 2)),
+    (keras.layers.Conv2D(3, 1, strides=2, padding="valid"), (2, 7, 6, 2)),
+    (keras.layers.Conv2D(3, 7, strides=2, padding="same"), (2, 12, 11, 3)),
+    (keras.layers.Conv2D(3, 3, strides=3, padding="valid", dilation_rate=1), (1, 5, 4, 2)),
 ])
 def test_conv_patches_reproduce_the_convolution(layer, shape):
     """patches @ kernel.reshape(-1, filters) is the layer's output: rows in kernel order."""
@@ -332,6 +336,28 @@ def test_conv_patches_reproduce_the_convolution(layer, shape):
     product = conv_patches(layer, x) @ tf.reshape(layer.kernel, [-1, layer.filters])
     np.testing.assert_allclose(product.numpy(), tf.reshape(out, [-1, layer.filters]).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.Conv2D(2, 3, strides=2, padding="same", dilation_rate=1), (2, 7, 6, 2)),
+    (keras.layers.Conv2D(2, 3, padding="valid", dilation_rate=2), (2, 7, 6, 2)),
+    (keras.layers.Conv1D(2, 3, padding="causal"), (2, 9, 2)),
+])
+def test_conv_patches_gather_equals_extract_patches(layer, shape):
+    """Static sizes gather the patches; unknown ones (a traced input without them) use
+    ``tf.image.extract_patches``: the same rows, exactly."""
+    from tf_msopt.thor.curvature_blocks import conv_patches
+
+    x = tf.constant(np.random.default_rng(3).normal(size=shape), tf.float32)
+    layer.build(shape)
+    unknown = tf.TensorSpec([None] * (len(shape) - 1) + [shape[-1]], tf.float32)
+    traced = tf.function(lambda v: conv_patches(layer, v), input_signature=[unknown])
+    static = tf.function(lambda v: conv_patches(layer, v))
+    unknown_ops = {op.type for op in traced.get_concrete_function().graph.get_operations()}
+    static_ops = {op.type for op in static.get_concrete_function(x).graph.get_operations()}
+    assert "ExtractImagePatches" in unknown_ops and "GatherV2" not in unknown_ops
+    assert "GatherV2" in static_ops and "ExtractImagePatches" not in static_ops
+    np.testing.assert_array_equal(static(x).numpy(), traced(x).numpy())
 
 
 def test_numpy_im2col_matches_tensorflow():

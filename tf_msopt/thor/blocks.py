@@ -47,44 +47,51 @@ class BlockLayout(NamedTuple):
         return blocks + tf.constant(np.eye(self.size, dtype=np.float32) * mask, blocks.dtype)
 
 
-def _split_columns(matrix, layout):
-    """``[rows, dim]`` -> ``[count, rows, size]`` (zero-padded columns)."""
-    if layout.padding:
-        matrix = tf.pad(matrix, [[0, 0], [0, layout.padding]])
-    return tf.transpose(tf.reshape(matrix, [-1, layout.count, layout.size]), [1, 0, 2])
+def _split(matrix, layout, axis):
+    """``matrix`` cut along ``axis`` into the layout's blocks (the last one unpadded)."""
+    if layout.count == 1:
+        return [matrix]
+    last = layout.size - layout.padding
+    return tf.split(matrix, [layout.size] * (layout.count - 1) + [last], axis=axis)
 
+
+def _unstack(blocks, layout):
+    """``[count, size, size]`` -> the list of blocks, the last one without its padding."""
+    if layout.count == 1:
+        return [blocks[0]]
+    blocks = tf.unstack(blocks, num=layout.count)
+    if layout.padding:
+        last = layout.size - layout.padding
+        blocks[-1] = blocks[-1][:last, :last]
+    return blocks
+
+
+def _join(products, axis):
+    return products[0] if len(products) == 1 else tf.concat(products, axis=axis)
+
+
+# One plain matmul per block: on CPU a batched matmul costs about 0.2 ms more per call at
+# THOR's small shapes, and was never faster at ResNet50's (docs/performance.md).
 
 def covariance_blocks(rows, layout):
-    """The diagonal blocks of ``rows^T rows`` (a sum over rows), ``[count, size, size]``."""
-    if layout.count == 1 and not layout.padding:
-        return tf.matmul(rows, rows, transpose_a=True)[tf.newaxis]
-    split = _split_columns(rows, layout)
-    return tf.matmul(split, split, transpose_a=True)
+    """The diagonal blocks of ``rows^T rows`` (a sum over rows), ``[count, size, size]``,
+    zero on padded positions."""
+    products = [tf.matmul(part, part, transpose_a=True) for part in _split(rows, layout, 1)]
+    if layout.padding:
+        products[-1] = tf.pad(products[-1], [[0, layout.padding]] * 2)
+    return tf.stack(products)
 
 
 def left_multiply(blocks, layout, matrix):
     """``blockdiag(blocks) @ matrix`` for ``matrix`` of shape ``[dim, k]``."""
-    if layout.count == 1 and not layout.padding:
-        return tf.matmul(blocks[0], matrix)
-    if layout.padding:
-        matrix = tf.pad(matrix, [[0, layout.padding], [0, 0]])
-    product = tf.matmul(blocks, tf.reshape(matrix, [layout.count, layout.size, -1]))
-    return tf.reshape(product, [layout.count * layout.size, -1])[:layout.dim]
+    return _join([tf.matmul(block, part) for block, part in
+                  zip(_unstack(blocks, layout), _split(matrix, layout, 0))], axis=0)
 
 
 def right_multiply(matrix, blocks, layout):
-    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``: one product per
-    column block (cheaper than transposing ``matrix`` into a batch of blocks and back)."""
-    if layout.count == 1 and not layout.padding:
-        return tf.matmul(matrix, blocks[0])
-    width = layout.size - layout.padding          # of the last column block
-    columns = tf.split(matrix, [layout.size] * (layout.count - 1) + [width], axis=1)
-    if layout.padding:
-        columns[-1] = tf.pad(columns[-1], [[0, 0], [0, layout.padding]])
-    products = [tf.matmul(column, block)
-                for column, block in zip(columns, tf.unstack(blocks, num=layout.count))]
-    products[-1] = products[-1][:, :width]
-    return tf.concat(products, axis=1)
+    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``."""
+    return _join([tf.matmul(part, block) for part, block in
+                  zip(_split(matrix, layout, 1), _unstack(blocks, layout))], axis=1)
 
 
 def robust_inverse(matrices, damping, previous):

@@ -149,8 +149,8 @@ class SampledFisher:
                                           self.optimizer.block_size)
             # Non-finite outputs: this call's statistics count as unobserved.
             finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))
-            writes += [statistics.a.assign(tf.where(finite, a, tf.zeros_like(a))),
-                       statistics.g.assign(tf.where(finite, g, tf.zeros_like(g))),
+            writes += [statistics.a.assign(tf.where(finite, a, 0.0)),
+                       statistics.g.assign(tf.where(finite, g, 0.0)),
                        statistics.rows.assign(tf.where(finite, rows, 0.0))]
         with tf.control_dependencies(writes):
             return tf.constant(True)

@@ -458,3 +458,52 @@ def test_retries_compiled_equal_plain(inverse_path):
     compiled = tf.function(invert, jit_compile=True)(matrices, previous)
     np.testing.assert_allclose(compiled[0].numpy(), plain[0].numpy(), rtol=1e-6)
     assert [int(c) for c in compiled[1:]] == [int(p) for p in plain[1:]] == [3, 1]
+
+
+BACKWARD_MODES = ["eager", "traced step", "traced forward, eager tape"]
+
+
+def backward_pass(model, x, mode):
+    """The gradients of ``sum(model(x)^2)``: eagerly, in one traced function, or through
+    the backward function of a traced forward pass (no automatic control dependencies)."""
+    forward = (tf.function(lambda x: model(x, training=True))
+               if mode == "traced forward, eager tape" else lambda x: model(x, training=True))
+
+    def gradients(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.square(forward(x)))
+        return tape.gradient(loss, model.trainable_variables)
+
+    return (tf.function(gradients) if mode == "traced step" else gradients)(tf.constant(x))
+
+
+@pytest.mark.parametrize("mode", BACKWARD_MODES)
+def test_capture_records_however_the_backward_pass_runs(mode):
+    """The statistics of one THOR step equal their NumPy formulas whether the backward pass
+    runs eagerly, in the traced step (where the record runs beside the gradient) or as the
+    backward function of a traced forward pass (where the gradient waits for it)."""
+    model = _dense_model()
+    optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, block_size=None)
+    optimizer.build(model.trainable_variables)
+    x = np.random.default_rng(0).normal(size=(BATCH, 5)).astype("float32")
+    backward_pass(model, x, mode)
+    kernel, bias = (w.numpy().astype(np.float64) for w in model.get_layer("fc1").weights)
+    hidden = np.tanh(x @ kernel + bias)
+    head_kernel, head_bias = (w.numpy().astype(np.float64)
+                              for w in model.get_layer("head").weights)
+    delta = 2.0 * (hidden @ head_kernel + head_bias) * BATCH   # d loss / d output, x batch
+    fc1, head = optimizer._connection.statistics
+    np.testing.assert_allclose(fc1.a.numpy()[0], x.T @ x, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(head.a.numpy()[0], hidden.T @ hidden, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(head.g.numpy()[0], delta.T @ delta, rtol=1e-5, atol=1e-3)
+    assert float(head.rows.numpy()) == BATCH
+
+
+@pytest.mark.parametrize("mode", BACKWARD_MODES)
+def test_layer_norm_batch_recorded_however_the_backward_pass_runs(mode):
+    """The LayerNorm rule's global batch is observed in every kind of backward pass."""
+    model = _layer_norm_model()
+    optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, batch_size=1)
+    optimizer.build(model.trainable_variables)
+    backward_pass(model, np.ones((BATCH, 5), "float32"), mode)
+    assert float(optimizer._connection.batch.numpy()) == BATCH

@@ -20,8 +20,9 @@ __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOL
            "check", "distribution_strategy", "flatten_layers", "in_xla_context",
            "merge_call", "optimizer_own_variables", "overwrites_with_gradient",
            "own_iterations", "own_trainable_variables", "registered_kernel_devices",
-           "resource_variable", "strategy_supports_no_merge_call", "symbolic_build",
-           "tracked_index", "trainable_variables", "uses_weight_decay", "variable_index"]
+           "resource_variable", "runs_every_stateful_op", "strategy_supports_no_merge_call",
+           "symbolic_build", "tracked_index", "trainable_variables", "uses_weight_decay",
+           "variable_index"]
 
 
 class KerasCompatibilityError(ImportError):
@@ -54,6 +55,7 @@ _INSTANCE_ATTRIBUTES = (
                                   "_trainable_variables_indices", "_distribution_strategy")),
     (keras.layers.Layer, ("_trainable_variables",)),
     (keras.Model, ("_distribute_strategy",)),
+    (tf.Graph, ("experimental_acd_manager",)),
 )
 # (owner, method, a statement its source must hold: behaviour the package relies on)
 _STATEMENTS = (
@@ -231,6 +233,14 @@ def symbolic_build(model, original, iterator=None, data_batch=None):
     if model._distribute_strategy is not None or data_batch is None:
         return original(iterator=iterator, data_batch=data_batch)
     return model._symbolic_build(data_batch=data_batch)
+
+
+def runs_every_stateful_op():
+    """True when eager, or while tracing under ``tf.function``'s automatic control
+    dependencies: a stateful op traced now runs even if nothing depends on it, after the
+    ops traced before it that touch the same resources and before those traced after."""
+    return tf.executing_eagerly() or (
+        tf.compat.v1.get_default_graph().experimental_acd_manager is not None)
 
 
 def in_xla_context():

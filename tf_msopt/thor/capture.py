@@ -91,6 +91,19 @@ class LayerStatistics:
         self.g = buffer(g_shape, "g_statistics")
         self.rows = buffer((), "rows")
 
+    def write(self, a, g, rows):
+        """Assigns the three buffers; returns a tensor that depends on the assignments."""
+        with tf.control_dependencies([assign(self.a, a), assign(self.g, g),
+                                      assign(self.rows, rows)]):
+            return tf.constant(True)
+
+
+def assign(variable, value):
+    """``variable.assign(value)`` as an op a control dependency can wait on: Keras' ``assign``
+    returns ``value``, so where nothing orders stateful ops (the backward function of a
+    ``tf.function`` differentiated from outside it) its assignment would be pruned."""
+    return variable.value.assign(value, read_value=False)
+
 
 def when(condition, fn):
     """``fn()`` where ``condition`` holds: a ``tf.cond``, or a plain call when ``condition`` is
@@ -112,12 +125,23 @@ def _global_batch(tensor):
 
 
 def _observe(output, record):
-    """``output`` unchanged; in the backward pass ``record(d_output)`` runs before the
-    gradient flows on."""
+    """``output`` unchanged; in the backward pass ``record(d_output)`` runs beside the
+    gradient.
+
+    Where every stateful op runs anyway (eagerly, or traced under ``tf.function``'s
+    automatic control dependencies, which also order the write before the optimizer reads
+    the buffers), the gradient flows on without waiting for the record, and the layers
+    below do not queue behind it (docs/performance.md). Elsewhere (the backward function
+    of a ``tf.function`` differentiated from outside it) the gradient waits for it, or the
+    record would be pruned.
+    """
     @tf.custom_gradient
     def identity(value):
         def grad(upstream):
-            with tf.control_dependencies([record(upstream)]):
+            written = record(upstream)
+            if compat.runs_every_stateful_op():
+                return upstream
+            with tf.control_dependencies([written]):
                 return tf.identity(upstream)
         return tf.identity(value), grad
     return identity(output)
@@ -136,7 +160,7 @@ class _Capture:
     def __call__(self, inputs, *args, **kwargs):
         if self.statistics is None:       # no factors: only the global batch is needed
             def observe(outputs):
-                return _observe(outputs, lambda d: self.batch.assign(_global_batch(d)))
+                return _observe(outputs, lambda d: assign(self.batch, _global_batch(d)))
         elif self.sampled is not None:
             def observe(outputs):
                 return self.sampled.observe(self.layer, self.block, self.statistics, inputs,
@@ -149,11 +173,8 @@ class _Capture:
     def _record(self, inputs, d_outputs):
         def write():
             delta = tf.cast(d_outputs, tf.float32) * _global_batch(d_outputs)
-            a, g, rows = self.block.statistics(self.layer, inputs, delta, self.block_size)
-            with tf.control_dependencies([self.statistics.a.assign(a),
-                                          self.statistics.g.assign(g),
-                                          self.statistics.rows.assign(rows)]):
-                return tf.constant(True)
+            return self.statistics.write(
+                *self.block.statistics(self.layer, inputs, delta, self.block_size))
 
         return when(self.is_statistics_step(), write)
 

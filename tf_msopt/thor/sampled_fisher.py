@@ -149,8 +149,7 @@ class SampledFisher:
                                           self.optimizer.block_size)
             # Non-finite outputs: this call's statistics count as unobserved.
             finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))
-            writes += [statistics.a.assign(tf.where(finite, a, 0.0)),
-                       statistics.g.assign(tf.where(finite, g, 0.0)),
-                       statistics.rows.assign(tf.where(finite, rows, 0.0))]
+            writes.append(statistics.write(tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),
+                                           tf.where(finite, rows, 0.0)))
         with tf.control_dependencies(writes):
             return tf.constant(True)

@@ -195,6 +195,34 @@ def test_statistics_only_on_thor_steps():
     assert all(not np.array_equal(b, a) for b, a in zip(after_thor, snapshot()))
 
 
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
+def test_mixed_float16_records_float32_statistics(fisher):
+    """Under the mixed_float16 policy (layers compute in float16, inside Keras'
+    LossScaleOptimizer) a THOR step records the statistics in float32: the first layer's A
+    is the covariance of its float16-rounded inputs, the LayerNorm rule sees the batch, and
+    the weights stay finite."""
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(6, activation="tanh"),
+                                  keras.layers.LayerNormalization(),
+                                  keras.layers.Dense(3, dtype="float32")])
+        optimizer = mso.thor(model, 0.05, 0.1, 0.9, frequency=2, block_size=None,
+                             fisher=fisher, seed=0)
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(optimizer),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        x = np.random.default_rng(0).normal(size=(8, 5)).astype("float32")
+        model.train_on_batch(x, np.arange(8) % 3)
+    finally:
+        keras.config.set_dtype_policy("float32")
+    rounded = x.astype(np.float16).astype(np.float64)
+    first = optimizer._connection.statistics[0]
+    assert first.a.dtype == "float32"
+    np.testing.assert_allclose(first.a.numpy()[0], rounded.T @ rounded, rtol=1e-5, atol=1e-5)
+    assert float(first.rows.numpy()) == 8 and float(optimizer._connection.batch.numpy()) == 8
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
 def counting_update_traces(optimizer):
     traces = []
     update_variables = optimizer.update_variables

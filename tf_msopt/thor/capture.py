@@ -84,7 +84,7 @@ class LayerStatistics:
     def __init__(self, block, block_size):
         def buffer(shape, name):
             return keras.Variable(initializer="zeros", shape=shape, dtype="float32",
-                                  trainable=False, name=f"{block.layer}_{name}")
+                                  trainable=False, autocast=False, name=f"{block.layer}_{name}")
 
         a_shape, g_shape = block.factor_shapes(block_size)
         self.a = buffer(a_shape, "a_statistics")
@@ -101,7 +101,9 @@ class LayerStatistics:
 def assign(variable, value):
     """``variable.assign(value)`` as an op a control dependency can wait on: Keras' ``assign``
     returns ``value``, so where nothing orders stateful ops (the backward function of a
-    ``tf.function`` differentiated from outside it) its assignment would be pruned."""
+    ``tf.function`` differentiated from outside it) its assignment would be pruned.
+    ``variable`` is a ``keras.Variable`` made with ``autocast=False``: its ``value`` is then
+    the ``tf.Variable`` itself, even inside a mixed-precision layer call."""
     return variable.value.assign(value, read_value=False)
 
 

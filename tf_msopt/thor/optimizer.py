@@ -377,7 +377,7 @@ class THOR(MindSporeOptimizer):
             statistics = [LayerStatistics(block, self.block_size) for block in blocks
                           if block.has_factors]
             batch = keras.Variable(float(self.batch_size), dtype="float32", trainable=False,
-                                   name="global_batch")
+                                   autocast=False, name="global_batch")
         sampled = (SampledFisher(self, self._is_statistics_step) if self.fisher == "sampled"
                    else None)
         buffers = iter(statistics)

@@ -145,7 +145,8 @@ class SampledFisher:
         for (layer, block, statistics, inputs, _), gradient in zip(watched, gradients):
             if gradient is None:     # the output does not depend on this call
                 continue
-            a, g, rows = block.statistics(layer, inputs, gradient * batch,
+            # float32 whatever the layers compute in (mixed precision: float16).
+            a, g, rows = block.statistics(layer, inputs, tf.cast(gradient, tf.float32) * batch,
                                           self.optimizer.block_size)
             # Non-finite outputs: this call's statistics count as unobserved.
             finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))

@@ -228,11 +228,11 @@ def test_sampled_g_matches_numpy(case):
                                    rtol=1e-4, atol=1e-5)
 
 
-def _sampled_run(seed, steps=3, options=None):
+def _sampled_run(seed, steps=3, options=None, xla=False):
     model = small_model()
     optimizer = mso.thor(model, 0.1, 0.04, 0.9, frequency=2, block_size=None,
                          fisher="sampled", seed=seed, **(options or {}))
-    model.compile(optimizer=optimizer,
+    model.compile(optimizer=optimizer, jit_compile=xla,
                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
     rng = np.random.default_rng(2)
     for _ in range(steps):
@@ -241,9 +241,12 @@ def _sampled_run(seed, steps=3, options=None):
     return model.get_weights(), [g for _, g in connected_statistics(optimizer)]
 
 
-def test_sampled_fisher_is_reproducible_with_a_seed():
-    """Same seed: identical runs (statistics and weights); another seed: other labels."""
-    first, second, other = _sampled_run(3), _sampled_run(3), _sampled_run(4)
+@pytest.mark.parametrize("xla", [False, True], ids=["plain step", "XLA step"])
+def test_sampled_fisher_is_reproducible_with_a_seed(xla):
+    """Same seed: identical runs (statistics and weights), with the train step run plainly
+    or compiled by XLA (whose stateless random stream is another one); another seed: other
+    labels."""
+    first, second, other = (_sampled_run(seed, xla=xla) for seed in (3, 3, 4))
     for a, b in zip(first[0] + first[1], second[0] + second[1]):
         np.testing.assert_array_equal(a, b)
     assert not any(np.allclose(a, b) for a, b in zip(first[1], other[1]))

@@ -74,7 +74,7 @@ def make_model(kind, input_shape, classes):
 # K-FAC libraries converge (damping split by traces, sampled Fisher, moving averages, KL
 # clip); convolutional ones MindSpore's update.
 THOR_SETTINGS = {
-    "mlp": dict(learning_rate=0.03, damping=0.3, damping_mode="pi", fisher="sampled",
+    "mlp": dict(learning_rate=0.03, damping=0.1, damping_mode="pi", fisher="sampled",
                 statistics_decay=0.95, kl_clip=1e-3, seed=0),
     "cnn": dict(learning_rate=0.02, damping=0.05),
 }

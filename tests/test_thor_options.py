@@ -154,23 +154,23 @@ def _np_mix(z):
     return z ^ (z >> np.uint64(31))
 
 
-def reference_uniform(shape, seed, step, replica=0):
-    """NumPy reference of the sampled Fisher's uniforms: key = mix(mix(mix(seed) ^ step) ^
-    replica), element i = (top 24 bits of mix(key + (i + 1) * golden) + 1/2) / 2**24."""
+def reference_uniform(shape, seed, step, offset=0):
+    """NumPy reference of the sampled Fisher's uniforms: key = mix(mix(mix(seed) ^ step) ^ 0),
+    element i = (top 24 bits of mix(key + (offset + i + 1) * golden) + 1/2) / 2**24."""
     key = np.uint64(0)
-    for word in (seed, step, replica):
+    for word in (seed, step, 0):
         key = _np_mix(key ^ np.uint64(word))
     with np.errstate(over="ignore"):
-        counters = np.arange(1, math.prod(shape) + 1, dtype=np.uint64)
+        counters = np.arange(offset + 1, offset + math.prod(shape) + 1, dtype=np.uint64)
         bits = _np_mix(key + counters * np.uint64(0x9E3779B97F4A7C15))
     return ((bits >> np.uint64(40)).astype(np.float64) + 0.5).reshape(shape) / 2.0**24
 
 
-def sampled_labels(kind, from_logits, outputs, seed, step, replica=0):
-    """NumPy: the labels THOR's sampled Fisher draws from ``outputs`` at ``step``: the
-    Gumbel-max of the logits, or ``u < p``, with :func:`reference_uniform`."""
+def sampled_labels(kind, from_logits, outputs, seed, step):
+    """NumPy: the labels THOR's sampled Fisher draws from ``outputs`` (the global batch) at
+    ``step``: the Gumbel-max of the logits, or ``u < p``, with :func:`reference_uniform`."""
     outputs = np.asarray(outputs, np.float64)
-    u = reference_uniform(outputs.shape, seed, step, replica)
+    u = reference_uniform(outputs.shape, seed, step)
     if kind == "categorical":
         logits = outputs if from_logits else np.log(np.clip(outputs, keras.config.epsilon(), 1))
         return np.argmax(logits - np.log(-np.log(u)), axis=-1)
@@ -180,15 +180,17 @@ def sampled_labels(kind, from_logits, outputs, seed, step, replica=0):
 
 @pytest.mark.parametrize("xla", [False, True], ids=["plain", "XLA"])
 def test_sampled_uniforms_match_numpy_bit_for_bit(xla):
-    """The hash gives NumPy's bits exactly, compiled by XLA or not, and its uniforms are
-    uniform (a 0.25 quantile and mean within 3 standard errors)."""
+    """The hash gives NumPy's bits exactly, compiled by XLA or not, from any offset, and its
+    uniforms are uniform (a 0.25 quantile and mean within 3 standard errors)."""
     from tf_msopt.thor.sampled_fisher import stream_key, uniform
     step = tf.Variable(12345, dtype=tf.int64)
-    draw = tf.function(lambda: uniform(tf.constant([1000, 7]), stream_key(2**40 + 9, step, 1)),
+    draw = tf.function(lambda offset: uniform(tf.constant([1000, 7]),
+                                              stream_key(2**40 + 9, step, 0), offset),
                        jit_compile=xla)
-    got = draw().numpy()
-    np.testing.assert_array_equal(got, reference_uniform((1000, 7), 2**40 + 9, 12345, 1)
-                                  .astype(np.float32))
+    got = draw(tf.constant(0, tf.int64)).numpy()
+    want = reference_uniform((2000, 7), 2**40 + 9, 12345).astype(np.float32)
+    np.testing.assert_array_equal(got, want[:1000])
+    np.testing.assert_array_equal(draw(tf.constant(7000, tf.int64)).numpy(), want[1000:])
     assert 0.0 < got.min() and got.max() < 1.0
     n = got.size
     assert abs(got.mean() - 0.5) < 3 * math.sqrt(1 / 12 / n)
@@ -416,12 +418,13 @@ def option_state(optimizer):
     return {v.name: v.numpy() for v in variables}
 
 
-def test_two_replicas_equal_one_device(two_cpu_strategy):
-    """Every option but the sampled Fisher (whose labels are drawn per replica) under a
-    LossScaleOptimizer: two replicas on 16 examples per step equal one device."""
+@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL], ids=["empirical", "sampled"])
+def test_two_replicas_equal_one_device(two_cpu_strategy, options):
+    """Every option under a LossScaleOptimizer: two replicas on 16 examples per step equal
+    one device (the sampled Fisher's replicas draw what one device draws)."""
     def train(strategy):
         with strategy.scope():
-            model, optimizer = make_mixed(EMPIRICAL_ALL, wrap=lambda o: mso.LossScaleOptimizer(
+            model, optimizer = make_mixed(options, wrap=lambda o: mso.LossScaleOptimizer(
                 o, 2.0 ** 8))
         x, y = classification_data(16 * 6)
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -442,8 +445,9 @@ def test_two_replicas_equal_one_device(two_cpu_strategy):
 
 
 def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
-    """Each replica draws its labels with its own replica id folded into the seed; G is the
-    sum over both replicas' rows, as NumPy computes it from the same labels."""
+    """The replicas draw the labels one device draws on the global batch (each counts its
+    elements from its share's offset); G is the sum over both replicas' rows, as NumPy
+    computes it from the same labels."""
     seed, damping = 9, 0.04
     with two_cpu_strategy.scope():
         model = small_model()
@@ -454,8 +458,7 @@ def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
     rng = np.random.default_rng(5)
     x, y = rng.normal(size=(16, 4)).astype("float32"), rng.integers(0, 3, size=16)
     logits = model(x).numpy()
-    labels = np.concatenate([sampled_labels("categorical", True, logits[8 * r:8 * r + 8], seed,
-                                            step=0, replica=r) for r in (0, 1)])
+    labels = sampled_labels("categorical", True, logits, seed, step=0)
     want = sampled_statistics(model, x, "categorical", labels)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
     for variable, (_, want_g) in zip(optimizer.g_inverses, want):
@@ -486,14 +489,16 @@ def test_save_load_resumes_exactly(tmp_path, options):
         np.testing.assert_array_equal(value, option_state(optimizer)[name], err_msg=name)
 
 
-def test_xla_update_equals_plain():
+@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL], ids=["empirical", "sampled"])
+def test_xla_update_equals_plain(options):
     """Every option on: ``jit_compile=True`` (the KL-clipped update of all variables as one
-    XLA function) and an XLA-compiled train step give what the plain graph gives."""
+    XLA function) and an XLA-compiled train step give what the plain graph gives; with the
+    sampled Fisher too, since its labels are the same under XLA."""
     def run(jit_compile=False, xla_step=False):
         keras.utils.set_random_seed(0)
         model = mixed_model(attention=False)
         optimizer = mso.thor(model, 0.05, 0.05, 0.9, block_size=4, weight_decay=1e-3,
-                             jit_compile=jit_compile, **EMPIRICAL_ALL)
+                             jit_compile=jit_compile, **options)
         model.compile(optimizer=optimizer, jit_compile=xla_step,
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         train_steps(model, 0, 5)

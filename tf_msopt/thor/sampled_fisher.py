@@ -12,12 +12,13 @@ its gradients are untouched.
 The output distribution is read off the compiled loss (``model.loss``) or set with
 :meth:`tf_msopt.THOR.set_fisher_loss` for a custom loop.
 
-The labels come from a counter-based hash of ``(seed, step, replica, element)``
-(splitmix64 [1], integer ops only) rather than TensorFlow's stateless random ops,
-whose stream under XLA differs from the one they give otherwise: so a step compiled by
-XLA draws the same labels as the same step run plainly, and a run can resume in
-either mode. Categorical labels are the Gumbel-max of the logits; Bernoulli labels
-are ``u < p``.
+The labels come from a counter-based hash of ``(seed, step, element)`` (splitmix64
+[1], integer ops only) rather than TensorFlow's stateless random ops, whose stream
+under XLA differs from the one they give otherwise: so a step compiled by XLA draws the
+same labels as the same step run plainly, and a run can resume in either mode. The
+element counts over the global batch (replicas get equal shares, as everywhere in
+THOR), so replicas draw together what one device draws on the global batch.
+Categorical labels are the Gumbel-max of the logits; Bernoulli labels are ``u < p``.
 
 [1] Steele, Lea and Flood, "Fast splittable pseudorandom number generators",
     OOPSLA 2014.
@@ -34,6 +35,7 @@ __all__ = ["OutputDistribution", "SampledFisher", "output_distribution", "stream
 
 # splitmix64's increment and its finaliser's multipliers.
 _GOLDEN, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_LABEL_STREAM = 0   # the labels key's last word: another stream of the seed would use another
 
 _CATEGORICAL = {"sparse_categorical_crossentropy", "categorical_crossentropy"}
 _BINARY = {"binary_crossentropy"}
@@ -61,12 +63,13 @@ def stream_key(*words):
     return key
 
 
-def uniform(shape, key):
+def uniform(shape, key, offset=0):
     """float32 uniforms in (0, 1) (24 random bits each): element ``i`` (row-major) is
-    ``(top 24 bits of mix(key + (i + 1) * golden) + 1/2) / 2**24``, the same bits on every
-    device and under XLA."""
-    count = tf.cast(tf.reduce_prod(shape), tf.int64)
-    counters = tf.cast(tf.range(1, count + 1), tf.uint64)
+    ``(top 24 bits of mix(key + (offset + i + 1) * golden) + 1/2) / 2**24``, the same bits
+    on every device and under XLA."""
+    first = tf.cast(offset, tf.int64) + 1
+    counters = tf.cast(tf.range(first, first + tf.cast(tf.reduce_prod(shape), tf.int64)),
+                       tf.uint64)
     bits = _mix(key + counters * tf.constant(_GOLDEN, tf.uint64))
     top = tf.cast(tf.bitwise.right_shift(bits, tf.constant(40, tf.uint64)), tf.int32)
     return tf.reshape((tf.cast(top, tf.float32) + 0.5) * 2.0 ** -24, shape)
@@ -80,9 +83,9 @@ class OutputDistribution:
     kind: str
     from_logits: bool
 
-    def sampled_loss(self, outputs, key):
+    def sampled_loss(self, outputs, key, offset):
         """``sum(-log p(y_hat | x))`` over the batch with ``y_hat`` drawn from ``outputs``
-        with the uniforms of :func:`uniform` under ``key``."""
+        with the uniforms of :func:`uniform` under ``key``, from element ``offset`` on."""
         outputs = tf.cast(outputs, tf.float32)
         epsilon = keras.config.epsilon()
         if self.kind == "categorical":
@@ -90,7 +93,7 @@ class OutputDistribution:
                 tf.clip_by_value(outputs, epsilon, 1.0))
             flat = tf.reshape(logits, [-1, tf.shape(logits)[-1]])
             finite = tf.where(tf.math.is_finite(flat), flat, 0.0)
-            gumbel = -tf.math.log(-tf.math.log(uniform(tf.shape(flat), key)))
+            gumbel = -tf.math.log(-tf.math.log(uniform(tf.shape(flat), key, offset)))
             labels = tf.argmax(tf.stop_gradient(finite) + gumbel, axis=-1)
             if self.from_logits:
                 return tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(
@@ -98,7 +101,7 @@ class OutputDistribution:
             # A one-hot product, not a gather: its gradient is a few ops, not dozens.
             return -tf.reduce_sum(tf.one_hot(labels, tf.shape(flat)[-1]) * flat)
         probabilities = tf.sigmoid(outputs) if self.from_logits else outputs
-        labels = tf.cast(uniform(tf.shape(outputs), key) < tf.stop_gradient(probabilities),
+        labels = tf.cast(uniform(tf.shape(outputs), key, offset) < tf.stop_gradient(probabilities),
                          tf.float32)
         if self.from_logits:
             return tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(labels=labels,
@@ -178,9 +181,10 @@ class SampledFisher:
         context = tf.distribute.get_replica_context()
         replicas = 1 if context is None else context.num_replicas_in_sync
         replica = 0 if context is None else context.replica_id_in_sync_group
-        key = stream_key(self.optimizer.seed, self.optimizer.iterations, replica)
+        key = stream_key(self.optimizer.seed, self.optimizer.iterations, _LABEL_STREAM)
+        offset = tf.cast(replica, tf.int64) * tf.size(outputs, out_type=tf.int64)  # its share
         batch = tf.cast(tf.shape(outputs)[0] * replicas, tf.float32)
-        loss = distribution.sampled_loss(outputs, key) / batch
+        loss = distribution.sampled_loss(outputs, key, offset) / batch
         gradients = tape.gradient(loss, [entry[-1] for entry in watched])
         writes = []
         for (layer, block, statistics, inputs, _), gradient in zip(watched, gradients):

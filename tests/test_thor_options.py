@@ -52,6 +52,7 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(trace_thresholds=(0.1, -0.01)), ValueError, "trace_thresholds"),
     (dict(seed=-1), ValueError, "seed"),
     (dict(seed=1.5), TypeError, "seed"),
+    (dict(seed=2**64), ValueError, "seed"),         # the labels' hash keys are uint64
 ])
 def test_bad_option_arguments_raise(kwargs, error, argument):
     with pytest.raises(error, match=argument):
@@ -185,10 +186,10 @@ def test_sampled_uniforms_match_numpy_bit_for_bit(xla):
     from tf_msopt.thor.sampled_fisher import stream_key, uniform
     step = tf.Variable(12345, dtype=tf.int64)
     draw = tf.function(lambda offset: uniform(tf.constant([1000, 7]),
-                                              stream_key(2**40 + 9, step, 0), offset),
+                                              stream_key(2**64 - 1, step, 0), offset),
                        jit_compile=xla)
     got = draw(tf.constant(0, tf.int64)).numpy()
-    want = reference_uniform((2000, 7), 2**40 + 9, 12345).astype(np.float32)
+    want = reference_uniform((2000, 7), 2**64 - 1, 12345).astype(np.float32)
     np.testing.assert_array_equal(got, want[:1000])
     np.testing.assert_array_equal(draw(tf.constant(7000, tf.int64)).numpy(), want[1000:])
     assert 0.0 < got.min() and got.max() < 1.0

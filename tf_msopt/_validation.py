@@ -33,7 +33,7 @@ def check_bool(value, arg, owner):
     return value
 
 
-def check_int(value, arg, owner, min_value=None):
+def check_int(value, arg, owner, min_value=None, max_value=None):
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(
             f"For '{owner}', the type of '{arg}' should be 'int', but got type '{type_name(value)}'."
@@ -41,6 +41,10 @@ def check_int(value, arg, owner, min_value=None):
     if min_value is not None and value < min_value:
         raise ValueError(
             f"For '{owner}', the argument '{arg}' must be at least {min_value}, but got {value}."
+        )
+    if max_value is not None and value > max_value:
+        raise ValueError(
+            f"For '{owner}', the argument '{arg}' must be at most {max_value}, but got {value}."
         )
     return int(value)
 

@@ -212,7 +212,7 @@ class THOR(MindSporeOptimizer):
             ``omega2`` keep the previous ones, else keep them from then on (frozen).
             The decisions are counted in ``trace_decisions`` and shown by
             :meth:`report`.
-        seed: int seed of the sampled labels (``fisher="sampled"``); None draws one
+        seed: int in [0, 2**64) seeding the sampled labels (``fisher="sampled"``); None draws one
             (kept in the config, so a resumed run samples as the original would).
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
@@ -255,7 +255,7 @@ class THOR(MindSporeOptimizer):
         if seed is None and fisher == "sampled":
             seed = random.SystemRandom().randrange(2**31)   # leaves Python's global state alone
         if seed is not None:
-            seed = check_int(seed, "seed", _OWNER, min_value=0)
+            seed = check_int(seed, "seed", _OWNER, min_value=0, max_value=2**64 - 1)
         if kwargs.get("gradient_accumulation_steps"):
             raise ValueError(
                 f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "

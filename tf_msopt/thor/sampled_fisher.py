@@ -59,7 +59,9 @@ def stream_key(*words):
     """A uint64 key folding in ``words`` (non-negative integers or integer tensors)."""
     key = tf.constant(0, tf.uint64)
     for word in words:
-        key = _mix(tf.bitwise.bitwise_xor(key, tf.cast(word, tf.uint64)))
+        # A Python int may exceed int64, the dtype tf.cast would convert it to first.
+        word = tf.constant(word, tf.uint64) if isinstance(word, int) else tf.cast(word, tf.uint64)
+        key = _mix(tf.bitwise.bitwise_xor(key, word))
     return key
 
 

@@ -66,6 +66,16 @@ def test_every_optimizer_grid_has_a_setting_inside_it():
                 task, name)
 
 
+def test_a_widened_grid_is_the_union_of_its_products(monkeypatch):
+    """A list of (learning rates, dampings) products runs each setting once, in order."""
+    monkeypatch.setitem(convergence.THOR_GRIDS["THOR"], "mlp",
+                        [((0.02, 0.03), (0.1, 0.3)), ((0.01, 0.02), (0.03, 0.1))])
+    labels = [label for label, _, _ in convergence.grids("mlp", frequency=10)["THOR"]]
+    assert labels == ["lr=0.01 damping=0.03", "lr=0.01 damping=0.1", "lr=0.02 damping=0.03",
+                      "lr=0.02 damping=0.1", "lr=0.02 damping=0.3", "lr=0.03 damping=0.1",
+                      "lr=0.03 damping=0.3"]
+
+
 def test_saved_results_tabulate_again_with_misses_as_infinite(tmp_path, capsys):
     inf = math.inf
     runs = {"THOR": {"lr=0.1 damping=0.3": {

@@ -88,7 +88,8 @@ MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every
 # damping split by the factors' traces; "THOR-sampled" the sampled Fisher with moving
 # averages of the statistics ("THOR-sampled-s2" the same with statistics every second
 # step); "THOR-klclip" all the options K-FAC libraries use together (pi damping, sampled
-# Fisher, moving averages, KL clip).
+# Fisher, moving averages, KL clip); "THOR-expand" the sampled Fisher with moving averages
+# and G summed over a kernel's positions per example (weight_sharing="expand").
 THOR_CONFIGS = {
     "THOR": {},
     "THOR-pi": {"damping_mode": "pi"},
@@ -97,6 +98,7 @@ THOR_CONFIGS = {
                         "statistics_frequency": 2},
     "THOR-klclip": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95,
                     "kl_clip": 1e-3},
+    "THOR-expand": {"fisher": "sampled", "statistics_decay": 0.95, "weight_sharing": "expand"},
 }
 # (learning rates, dampings) per THOR configuration and task, or a list of them where a
 # grid was widened around a best setting on its edge: the settings are their union, as run
@@ -122,6 +124,11 @@ THOR_GRIDS = {
                     "cnn": [((0.01, 0.02, 0.03), (0.05, 0.1, 0.2)),
                             ((0.005, 0.01, 0.02), (0.03, 0.05, 0.2))],
                     "mnist1d": ((0.02, 0.03, 0.05), (0.01, 0.03, 0.1))},
+    # The MLP has no shared positions: THOR-expand is THOR-sampled there.
+    "THOR-expand": {"mlp": ((0.03, 0.05, 0.1), (0.3, 1.0, 3.0)),
+                    "cnn": ((0.0003, 0.001, 0.003), (0.0003, 0.001, 0.003)),
+                    "mnist1d": [((0.0025, 0.005, 0.01), (0.003, 0.01, 0.03)),
+                                ((0.00125, 0.0025, 0.005), (0.001, 0.003, 0.01))]},
 }
 FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
     "SGD-momentum": {"mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),

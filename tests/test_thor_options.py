@@ -53,6 +53,7 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(seed=-1), ValueError, "seed"),
     (dict(seed=1.5), TypeError, "seed"),
     (dict(seed=2**64), ValueError, "seed"),         # the labels' hash keys are uint64
+    (dict(weight_sharing="sum"), ValueError, "weight_sharing"),
 ])
 def test_bad_option_arguments_raise(kwargs, error, argument):
     with pytest.raises(error, match=argument):
@@ -142,6 +143,51 @@ def test_trace_rule_refreshes_reuses_and_freezes():
     report = optimizer.report()
     assert report.trace_decisions == {"fc": (2, 1, 2)}
     assert "fc: 2 / 1 / 2" in str(report)
+
+
+# -- weight sharing ----------------------------------------------------------------------------
+
+def sharing_model():
+    """A kernel reused at 10 positions (Conv1D), at 5 (Dense on a sequence), at 4 (Embedding)
+    and at 1 (Dense)."""
+    keras.utils.set_random_seed(0)
+    signal, ids = keras.Input((12, 2)), keras.Input((4,), dtype="int32")
+    h = keras.layers.Conv1D(3, 3, activation="tanh", name="conv")(signal)          # 10 x 3
+    h = keras.layers.Dense(2, activation="tanh", name="per_step")(h[:, :5])       # 5 x 2
+    e = keras.layers.Embedding(6, 2, name="emb")(ids)                              # 4 x 2
+    h = keras.layers.Concatenate()([keras.layers.Flatten()(h), keras.layers.Flatten()(e)])
+    return keras.Model([signal, ids], keras.layers.Dense(3, name="head")(h))
+
+
+@pytest.mark.parametrize("fisher", ["empirical", "sampled"])
+def test_weight_sharing_expand_sums_g_over_each_examples_positions(fisher):
+    """``G = sum_rows delta delta^T / examples``: the mean over rows times the positions per
+    example, in the statistics and in the inverses; ``A`` and the rows are unchanged."""
+    rng = np.random.default_rng(0)
+    x = [rng.normal(size=(8, 12, 2)).astype("float32"), rng.integers(0, 6, size=(8, 4))]
+    y = rng.integers(0, 3, size=8)
+    damping, captured = 0.05, {}
+    for sharing in ("mean", "expand"):
+        model = sharing_model()
+        optimizer = mso.thor(model, 0.1, damping, 0.9, frequency=2, block_size=None,
+                             fisher=fisher, seed=0, weight_sharing=sharing)
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.train_on_batch(x, y)
+        captured[sharing] = ([(s.a.numpy(), s.g.numpy(), s.rows.numpy())
+                              for s in optimizer._connection.statistics],
+                             [v.numpy()[0] for v in optimizer.g_inverses])
+    positions = [10, 5, 4, 1]       # conv, per_step, emb, head
+    for (a, g, rows), (a_mean, g_mean, rows_mean), (inverse, _), count in zip(
+            captured["expand"][0], captured["mean"][0],
+            zip(captured["expand"][1], captured["mean"][1]), positions):
+        np.testing.assert_array_equal(a, a_mean)
+        assert rows == rows_mean == 8 * count
+        np.testing.assert_allclose(g, g_mean * count, rtol=1e-6)
+        want_g = g_mean[0] / 8.0    # sum over rows / examples
+        np.testing.assert_allclose(g[0] / rows, want_g, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(inverse, np.linalg.inv(
+            want_g + math.sqrt(damping) * np.eye(len(want_g))), rtol=1e-4, atol=1e-5)
 
 
 # -- sampled Fisher ----------------------------------------------------------------------------
@@ -382,9 +428,11 @@ def test_non_finite_statistics_or_outputs_are_not_recorded():
 
 #: Every option on; the empirical variant sparser statistics (steps 0, 2, 4; inverses at 0, 4).
 SAMPLED_ALL = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
-                   trace_thresholds=(0.3, 0.05), fisher="sampled", seed=3)
+                   trace_thresholds=(0.3, 0.05), fisher="sampled", seed=3,
+                   weight_sharing="expand")
 EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequency=2,
-                     frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05))
+                     frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05),
+                     weight_sharing="expand")
 
 
 def classification_data(n, seed=0):

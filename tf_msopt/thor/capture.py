@@ -81,7 +81,9 @@ class LayerStatistics:
     state and are not saved.
     """
 
-    def __init__(self, block, block_size):
+    def __init__(self, block, block_size, weight_sharing="mean"):
+        self.block, self.block_size, self.weight_sharing = block, block_size, weight_sharing
+
         def buffer(shape, name):
             return keras.Variable(initializer="zeros", shape=shape, dtype="float32",
                                   trainable=False, autocast=False, name=f"{block.layer}_{name}")
@@ -90,6 +92,15 @@ class LayerStatistics:
         self.a = buffer(a_shape, "a_statistics")
         self.g = buffer(g_shape, "g_statistics")
         self.rows = buffer((), "rows")
+
+    def measure(self, layer, inputs, delta):
+        """The block's ``(A, G, rows)`` sums over the rows of one call (``delta``'s first axis
+        holds its examples). With ``weight_sharing="expand"``, ``G`` is summed over each
+        example's positions (its rows per example) instead of averaged with the examples."""
+        a, g, rows = self.block.statistics(layer, inputs, delta, self.block_size)
+        if self.weight_sharing == "expand":
+            g = g * (rows / tf.cast(tf.shape(delta)[0], tf.float32))
+        return a, g, rows
 
     def write(self, a, g, rows):
         """Assigns the three buffers; returns a tensor that depends on the assignments."""
@@ -152,12 +163,10 @@ def _observe(output, record):
 class _Capture:
     """The patched ``call`` of one layer."""
 
-    def __init__(self, layer, block, original, statistics, batch, is_statistics_step,
-                 block_size, sampled):
+    def __init__(self, layer, block, original, statistics, batch, is_statistics_step, sampled):
         self.layer, self.block, self.original = layer, block, original
         self.statistics, self.batch = statistics, batch
-        self.is_statistics_step, self.block_size = is_statistics_step, block_size
-        self.sampled = sampled
+        self.is_statistics_step, self.sampled = is_statistics_step, sampled
 
     def __call__(self, inputs, *args, **kwargs):
         if self.statistics is None:       # no factors: only the global batch is needed
@@ -165,8 +174,7 @@ class _Capture:
                 return _observe(outputs, lambda d: assign(self.batch, _global_batch(d)))
         elif self.sampled is not None:
             def observe(outputs):
-                return self.sampled.observe(self.layer, self.block, self.statistics, inputs,
-                                            outputs)
+                return self.sampled.observe(self.layer, self.statistics, inputs, outputs)
         else:
             def observe(outputs):
                 return _observe(outputs, lambda d: self._record(inputs, d))
@@ -175,8 +183,7 @@ class _Capture:
     def _record(self, inputs, d_outputs):
         def write():
             delta = tf.cast(d_outputs, tf.float32) * _global_batch(d_outputs)
-            return self.statistics.write(
-                *self.block.statistics(self.layer, inputs, delta, self.block_size))
+            return self.statistics.write(*self.statistics.measure(self.layer, inputs, delta))
 
         return when(self.is_statistics_step(), write)
 
@@ -190,12 +197,12 @@ def _patch(target, name, make):
     object.__setattr__(target, name, make(original))
 
 
-def install(layer, block, statistics, batch, is_statistics_step, block_size, sampled=None):
+def install(layer, block, statistics, batch, is_statistics_step, sampled=None):
     """Patches ``layer.call`` to capture ``block``'s statistics (replacing an earlier patch);
     with ``sampled`` (a :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer
     hands its statistics' inputs to it instead of recording them itself."""
     _patch(layer, "call", lambda original: _Capture(layer, block, original, statistics, batch,
-                                                    is_statistics_step, block_size, sampled))
+                                                    is_statistics_step, sampled))
 
 
 def install_model(model, sampled):

@@ -44,6 +44,7 @@ def _check_split_indices(split_indices):
 
 _DAMPING_MODES = ("sqrt", "pi")
 _FISHERS = ("empirical", "sampled")
+_WEIGHT_SHARINGS = ("mean", "expand")
 
 
 def _check_choice(value, arg, choices):
@@ -214,23 +215,33 @@ class THOR(MindSporeOptimizer):
             :meth:`report`.
         seed: int in [0, 2**64) seeding the sampled labels (``fisher="sampled"``); None draws one
             (kept in the config, so a resumed run samples as the original would).
+        weight_sharing: how ``G`` treats the positions where a kernel is reused within an
+            example (a convolution's output positions, a sequence's tokens): ``"mean"``
+            (MindSpore: ``E`` over all rows, as ``A``) or ``"expand"``: summed over each
+            example's positions, ``G = sum_rows delta delta^T / examples``, so that
+            ``A (x) G`` has the Fisher's scale (KFC; K-FAC-expand). Layers without shared
+            positions are unchanged.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
-    With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``
-    and ``trace_thresholds`` changed, the update is MindSpore's exactly.
+    With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``,
+    ``trace_thresholds`` and ``weight_sharing`` changed, the update is MindSpore's exactly.
 
-    Reference:
+    References:
         Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented
         Natural Gradient Descent Computation. AAAI 2021.
+        Grosse and Martens. A Kronecker-factored approximate Fisher matrix for
+        convolution layers. ICML 2016 (KFC). Eschenhagen et al. Kronecker-Factored
+        Approximate Curvature for Modern Neural Network Architectures. NeurIPS 2023
+        (K-FAC-expand).
     """
 
     def __init__(self, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
                  batch_size=32, use_nesterov=False, decay_filter=None, split_indices=None,
                  enable_clip_grad=False, frequency=100, block_size=128, damping_mode="sqrt",
                  statistics_decay=None, statistics_frequency=None, fisher="empirical",
-                 kl_clip=None, trace_thresholds=None, seed=None, layers=None, name=None,
-                 jit_compile=None, **kwargs):
+                 kl_clip=None, trace_thresholds=None, seed=None, weight_sharing="mean",
+                 layers=None, name=None, jit_compile=None, **kwargs):
         loss_scale = check_number_range(check_float(loss_scale, "loss_scale", _OWNER),
                                         "loss_scale", _OWNER, low=0.0, low_inclusive=False)
         weight_decay = check_number_range(check_float(weight_decay, "weight_decay", _OWNER),
@@ -248,6 +259,7 @@ class THOR(MindSporeOptimizer):
         statistics_decay, statistics_frequency = _check_statistics(
             statistics_decay, statistics_frequency, frequency)
         fisher = _check_choice(fisher, "fisher", _FISHERS)
+        weight_sharing = _check_choice(weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
         if kl_clip is not None:
             kl_clip = check_number_range(check_float(kl_clip, "kl_clip", _OWNER), "kl_clip",
                                          _OWNER, low=0.0, low_inclusive=False)
@@ -284,6 +296,7 @@ class THOR(MindSporeOptimizer):
         self.kl_clip = kl_clip
         self.trace_thresholds = trace_thresholds
         self.seed = seed
+        self.weight_sharing = weight_sharing
         self._fisher_loss = None
         self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
@@ -374,8 +387,8 @@ class THOR(MindSporeOptimizer):
                 f"  model:     {[b.get_config() for b in blocks]}"
             )
         with compat.distribution_strategy(self).scope():
-            statistics = [LayerStatistics(block, self.block_size) for block in blocks
-                          if block.has_factors]
+            statistics = [LayerStatistics(block, self.block_size, self.weight_sharing)
+                          for block in blocks if block.has_factors]
             batch = keras.Variable(float(self.batch_size), dtype="float32", trainable=False,
                                    autocast=False, name="global_batch")
         sampled = (SampledFisher(self, self._is_statistics_step) if self.fisher == "sampled"
@@ -383,7 +396,7 @@ class THOR(MindSporeOptimizer):
         buffers = iter(statistics)
         for block, layer in zip(blocks, layers):
             install(layer, block, next(buffers) if block.has_factors else None, batch,
-                    self._is_statistics_step, self.block_size, sampled)
+                    self._is_statistics_step, sampled)
         install_model(model, sampled)
         self._connection = _Connection(model, layers, statistics, batch, rows)
         self._rules = None
@@ -767,6 +780,7 @@ class THOR(MindSporeOptimizer):
             "trace_thresholds": (None if self.trace_thresholds is None
                                  else list(self.trace_thresholds)),
             "seed": self.seed,
+            "weight_sharing": self.weight_sharing,
             "layers": None if self._blocks is None else [b.get_config() for b in self._blocks],
         })
         return config

@@ -143,16 +143,16 @@ class SampledFisher:
 
     def __init__(self, optimizer, is_statistics_step):
         self.optimizer, self.is_statistics_step = optimizer, is_statistics_step
-        self._watched = None    # [(layer, block, statistics, inputs, output)] in a training call
+        self._watched = None    # [(layer, statistics, inputs, output)] in a training call
         self._tape = None
 
-    def observe(self, layer, block, statistics, inputs, outputs):
+    def observe(self, layer, statistics, inputs, outputs):
         """In a training call: watch a treated layer's pre-activation output."""
         if self._watched is None:
             return outputs
         outputs = tf.identity(outputs)
         self._tape.watch(outputs)
-        self._watched.append((layer, block, statistics, inputs, outputs))
+        self._watched.append((layer, statistics, inputs, outputs))
         return outputs
 
     def wrap(self, call):
@@ -189,12 +189,12 @@ class SampledFisher:
         loss = distribution.sampled_loss(outputs, key, offset) / batch
         gradients = tape.gradient(loss, [entry[-1] for entry in watched])
         writes = []
-        for (layer, block, statistics, inputs, _), gradient in zip(watched, gradients):
+        for (layer, statistics, inputs, _), gradient in zip(watched, gradients):
             if gradient is None:     # the output does not depend on this call
                 continue
             # float32 whatever the layers compute in (mixed precision: float16).
-            a, g, rows = block.statistics(layer, inputs, tf.cast(gradient, tf.float32) * batch,
-                                          self.optimizer.block_size)
+            a, g, rows = statistics.measure(layer, inputs,
+                                            tf.cast(gradient, tf.float32) * batch)
             # Non-finite outputs: this call's statistics count as unobserved.
             finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))
             writes.append(statistics.write(tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),

@@ -35,7 +35,7 @@ __all__ = ["OutputDistribution", "SampledFisher", "output_distribution", "stream
 
 # splitmix64's increment and its finaliser's multipliers.
 _GOLDEN, _MIX_1, _MIX_2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
-_LABEL_STREAM = 0   # the labels key's last word: another stream of the seed would use another
+_LABEL_STREAM = 0   # last word of the labels' key: another stream of the same seed uses another
 
 _CATEGORICAL = {"sparse_categorical_crossentropy", "categorical_crossentropy"}
 _BINARY = {"binary_crossentropy"}

@@ -1,7 +1,9 @@
 """The convergence benchmark's scoring: first epoch at the target, medians over seeds, ratios."""
 import math
+import os
+import re
 
-from helpers import benchmark_module
+from helpers import REPO_ROOT, benchmark_module
 
 convergence = benchmark_module("convergence")
 
@@ -74,6 +76,37 @@ def test_a_widened_grid_is_the_union_of_its_products(monkeypatch):
     assert labels == ["lr=0.01 damping=0.03", "lr=0.01 damping=0.1", "lr=0.02 damping=0.03",
                       "lr=0.02 damping=0.1", "lr=0.02 damping=0.3", "lr=0.03 damping=0.1",
                       "lr=0.03 damping=0.3"]
+
+
+def _expand_braces(word):
+    """Shell brace expansion of ``word`` (``a_{b,c}_{1,2}.json``), as bash expands it."""
+    match = re.search(r"\{([^{}]*)\}", word)
+    if not match:
+        return [word]
+    return [expanded for choice in match.group(1).split(",")
+            for expanded in _expand_braces(word[:match.start()] + choice + word[match.end():])]
+
+
+def _documented_results():
+    """The results docs/performance.md tabulates: the files of its ``--from`` command."""
+    with open(os.path.join(REPO_ROOT, "docs", "performance.md")) as f:
+        text = f.read()
+    command = re.search(r"python benchmarks/convergence.py --from (.*?)--plot", text, re.S)
+    words = command.group(1).replace("\\\n", " ").split()
+    return convergence.load_results([os.path.join(REPO_ROOT, path)
+                                     for word in words for path in _expand_braces(word)])
+
+
+def test_documented_thor_results_are_the_declared_grids_with_best_settings_inside():
+    """docs/performance.md's tables come from exactly the settings of THOR_GRIDS, so that a
+    regeneration reruns what is shown, and no best setting lies on its grid's edge."""
+    for task, info in _documented_results().items():
+        declared = convergence.grids(task, frequency=10)
+        for name, settings in info["runs"].items():
+            if name in convergence.THOR_CONFIGS:
+                assert set(settings) == {label for label, _, _ in declared[name]}, (task, name)
+            label = convergence.best_settings({name: settings})[name][0]
+            assert convergence.edge_of_grid(settings, label) == [], (task, name, label)
 
 
 def test_saved_results_tabulate_again_with_misses_as_infinite(tmp_path, capsys):

@@ -1,6 +1,6 @@
 """Epochs and wall time to a target validation accuracy: THOR vs SGD-momentum, Adam, kfac-jax.
 
-Three tasks (``--task``):
+Four tasks (``--task``):
 
 * ``mlp``: scikit-learn's digits, the ``tf-msopt compare`` MLP, target 0.97.
 * ``cnn``: digits, the ``tf-msopt compare`` CNN, target 0.98.
@@ -8,6 +8,9 @@ Three tasks (``--task``):
   ``make_dataset`` with its default arguments and seed (42; 4000 training and 1000
   validation sequences of length 40; never its download path), a small Conv1D
   network (:func:`make_mnist1d_model`), target 0.90 (see ``TASKS``).
+* ``transformer``: the same MNIST-1D data, a one-block transformer
+  (:func:`make_mnist1d_transformer`: MultiHeadAttention, LayerNormalization, a Dense
+  feed-forward), target 0.85. kfac-jax's baseline has no such model.
 
 Every optimizer gets its own grid of settings (learning rates; THOR and kfac-jax:
 learning rate x damping) on the same model, data, initial weights and batches,
@@ -28,7 +31,7 @@ importable, the same models are also trained with kfac-jax
 (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
 the same way.
 
-    python benchmarks/convergence.py [--task mlp,cnn,mnist1d] [--optimizers THOR,Adam]
+    python benchmarks/convergence.py [--task mlp,cnn,mnist1d,transformer] [--optimizers THOR,Adam]
                                      [--seeds 0,1,2] [--max-epochs 25] [--batch-size 64]
                                      [--frequency F] [--save results.json]
                                      [--rounds R] [--plot convergence.png]
@@ -78,6 +81,7 @@ TASKS = {  # name -> data set, target validation accuracy
     "mlp": {"data": "digits", "target": 0.97, "title": "digits MLP"},
     "cnn": {"data": "digits", "target": 0.98, "title": "digits CNN"},
     "mnist1d": {"data": "mnist1d", "target": 0.90, "title": "MNIST-1D Conv1D"},
+    "transformer": {"data": "mnist1d", "target": 0.85, "title": "MNIST-1D transformer"},
 }
 DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
 FIRST_ORDER = ("SGD-momentum", "Adam")
@@ -102,12 +106,15 @@ THOR_CONFIGS = {
 }
 # (learning rates, dampings) per THOR configuration and task, or a list of them where a
 # grid was widened around a best setting on its edge: the settings are their union, as run
-# for docs/performance.md. The best setting should sit inside its grid, not on an edge.
+# for docs/performance.md. The best setting should sit inside its grid, not on an edge. A
+# configuration without an entry for a task is not run on it.
 THOR_GRIDS = {
     "THOR": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
              "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
              "mnist1d": [((0.02, 0.03, 0.05), (0.3, 1.0, 3.0)), ((0.03,), (0.03, 0.1)),
-                         ((0.1, 0.3), (0.03, 0.1, 0.3))]},
+                         ((0.1, 0.3), (0.03, 0.1, 0.3))],
+             "transformer": [((0.003, 0.01, 0.03), (0.03, 0.1, 0.3)), ((0.1,), (0.1, 0.3, 1.0)),
+                             ((0.03,), (1.0,))]},
     "THOR-pi": {"mlp": [((0.03, 0.05, 0.1), (0.3, 1.0, 3.0, 10.0)),
                         ((0.01, 0.02, 0.03), (0.03, 0.1, 0.3))],
                 "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1, 0.2, 0.3)),
@@ -131,15 +138,19 @@ THOR_GRIDS = {
     "THOR-expand": {"mlp": ((0.03, 0.05, 0.1), (0.3, 1.0, 3.0)),
                     "cnn": ((0.0003, 0.001, 0.003), (0.0003, 0.001, 0.003)),
                     "mnist1d": [((0.0025, 0.005, 0.01), (0.003, 0.01, 0.03)),
-                                ((0.00125, 0.0025, 0.005), (0.001, 0.003, 0.01))]},
+                                ((0.00125, 0.0025, 0.005), (0.001, 0.003, 0.01))],
+                    "transformer": [((0.001, 0.003, 0.01), (0.003, 0.01, 0.03)),
+                                    ((0.03,), (0.01, 0.03, 0.1)), ((0.003, 0.01), (0.1,))]},
 }
 FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
     "SGD-momentum": {"mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
                      "cnn": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
-                     "mnist1d": (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
+                     "mnist1d": (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "transformer": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
     "Adam": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
-             "mnist1d": (3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2)},
+             "mnist1d": (3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "transformer": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2)},
 }
 OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax")
 
@@ -191,9 +202,38 @@ def make_mnist1d_model(input_shape, classes):
     ])
 
 
+class PositionEmbedding(keras.layers.Layer):
+    """Adds a learned vector per position (THOR leaves it to first order, as any layer
+    without a curvature block)."""
+
+    def build(self, input_shape):
+        self.position = self.add_weight(shape=input_shape[1:], initializer="random_normal",
+                                        name="position")
+
+    def call(self, inputs):
+        return inputs + self.position
+
+
+def make_mnist1d_transformer(input_shape, classes):
+    """(40, 1) -> Conv1D(32, 4, stride 2) tokens (20) + learned positions -> one pre-norm
+    block (LayerNormalization, MultiHeadAttention 2 heads of 16, residual;
+    LayerNormalization, Dense(64, gelu), Dense(32), residual) -> LayerNormalization
+    -> GlobalAveragePooling1D -> Dense(10)."""
+    inputs = keras.Input(input_shape)
+    x = PositionEmbedding()(keras.layers.Conv1D(32, 4, strides=2, padding="same")(inputs))
+    h = keras.layers.LayerNormalization()(x)
+    x = x + keras.layers.MultiHeadAttention(num_heads=2, key_dim=16)(h, h)
+    h = keras.layers.Dense(64, activation="gelu")(keras.layers.LayerNormalization()(x))
+    x = x + keras.layers.Dense(32)(h)
+    x = keras.layers.GlobalAveragePooling1D()(keras.layers.LayerNormalization()(x))
+    return keras.Model(inputs, keras.layers.Dense(classes, activation="softmax")(x))
+
+
 def build_model(task, input_shape, classes):
     if task == "mnist1d":
         return make_mnist1d_model(input_shape, classes)
+    if task == "transformer":
+        return make_mnist1d_transformer(input_shape, classes)
     return make_model(task, input_shape, classes)
 
 
@@ -214,7 +254,9 @@ def grids(task, frequency):
     """Optimizer name -> list of (setting label, params, factory(seed) -> factory(model))."""
     out = {}
     for config in THOR_CONFIGS:
-        products = THOR_GRIDS[config][task]
+        products = THOR_GRIDS[config].get(task)
+        if products is None:     # not run on this task
+            continue
         settings = sorted({(lr, damping) for learning_rates, dampings in
                            (products if isinstance(products, list) else [products])
                            for lr in learning_rates for damping in dampings})

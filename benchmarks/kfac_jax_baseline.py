@@ -15,8 +15,9 @@ minor version once tensorflow is already imported; without it ``import
 kfac_jax`` after ``import tensorflow`` raises ModuleNotFoundError.
 
 What it trains (``MODELS``): the ``mlp`` and ``cnn`` of
-``tf_msopt.compare.make_model`` and the ``mnist1d`` model of
-``convergence.make_mnist1d_model``, written as plain JAX functions:
+``tf_msopt.compare.make_model`` and the ``mnist1d`` and ``transformer`` models of
+``convergence.make_mnist1d_model`` and ``convergence.make_mnist1d_transformer``,
+written as plain JAX functions:
 
 * mlp: 64 standardised features -> Dense(64, relu) -> Dense(64, relu) -> Dense(10).
 * cnn: (8, 8, 1) images -> Conv2D(16, 3, same, relu) -> Conv2D(32, 3, stride 2,
@@ -32,6 +33,13 @@ What it trains (``MODELS``): the ``mlp`` and ``cnn`` of
   reshaped to 4-D when the parameters are created, not inside the network:
   kfac-jax's graph matcher only recognises a convolution applied to a parameter
   as it is (reshaped inside, the convolutions were left out of its blocks).
+* transformer: (40, 1) sequences -> Conv1D(32, 4, stride 2) tokens + learned
+  positions (20, 32) -> LayerNormalization -> MultiHeadAttention (2 heads of 16),
+  residual -> LayerNormalization -> Dense(64, gelu) -> Dense(32), residual ->
+  LayerNormalization -> mean over positions -> Dense(10). The attention is
+  Keras' (queries scaled by 1/sqrt(16), softmax over keys); its four EinsumDense
+  kernels enter as (32, 32) matrices with the heads merged (see
+  ``_transformer_params``), the same numbers in another shape.
 
 ``initial_weights`` is the Keras model's ``get_weights()`` list, (kernel, bias)
 per layer; Keras kernels are (in, out) for Dense and (h, w, in, out) = HWIO for
@@ -41,19 +49,24 @@ is the mean softmax cross-entropy over the batch (Keras'
 ``sparse_categorical_crossentropy`` on the softmax output), and the logits are
 registered with ``kfac_jax.register_softmax_cross_entropy_loss``.
 
-Checked once (a one-off script, not part of this module): from the Keras
-models' weights (biases perturbed so that they matter), softmax of the JAX
-logits equals ``model.predict`` on 16 validation samples to 3e-8 (mlp), 2e-8
-(cnn) and 3e-8 (mnist1d); a stride-2 convolution padded (1, 1) or (1, 0) instead
-differs by 1.5. kfac-jax's graph matcher registers every layer itself (its INFO
+``tests/test_kfac_jax_baseline.py`` (run where kfac-jax is installed) checks that,
+from the Keras models' weights (every array perturbed so that biases and
+normalisations matter), softmax of the JAX logits equals ``model.predict`` to
+1e-5; a stride-2 convolution padded (1, 1) or (1, 0) instead differs by 1.5, and
+tanh-approximated GELU by 7e-5. kfac-jax's graph matcher registers every layer itself (its INFO
 log, "Graph parameter registrations" / "BlockDiagonalCurvature blocks", with absl
 logging at INFO): cnn -> conv2d_with_bias x2 (Conv2DTwoKroneckerFactored, kernels
 (3, 3, 1, 16) and (3, 3, 16, 32)) and dense_with_bias x2
 (DenseTwoKroneckerFactored, (512, 64) and (64, 10)); mlp -> dense_with_bias x3;
 mnist1d -> conv2d_with_bias x3 ((1, 5, 1, 32), (1, 3, 32, 32) x2) and
-dense_with_bias x2 ((320, 64), (64, 10)).
-No parameter is left to a generic (diagonal) block, so every layer gets
-Kronecker factors, as under THOR.
+dense_with_bias x2 ((320, 64), (64, 10)); transformer -> conv2d_with_bias
+((1, 4, 1, 32)), repeated[1]_dense_with_bias x6 (RepeatedDenseKroneckerFactored:
+query, key, value, output (32, 32), feed-forward (32, 64) and (64, 32)),
+dense_with_bias (32, 10), and ScaleAndShiftDiagonal blocks for the three
+LayerNormalizations (scale_and_shift) and the positions (shift_only).
+No kernel is left to a generic (diagonal) block, so every kernel gets Kronecker
+factors, as under THOR. (THOR leaves the positions to first order and gives the
+LayerNormalizations its own rule, so the two differ there.)
 
 The optimizer is ``kfac_jax.Optimizer`` with a fixed learning rate and damping,
 momentum 0.9, no L2, no norm constraint (unless asked for), no burn-in steps
@@ -82,10 +95,11 @@ Each epoch is timed from its start to after its validation (the first includes
 ``optimizer.init`` and the JIT compilations), as convergence.py times Keras'
 epochs.
 
-    from kfac_jax_baseline import MODELS, grid, train_kfac_jax   # benchmarks/ on sys.path
-    for label, kwargs in grid("cnn"):
-        history = train_kfac_jax("cnn", data, initial_weights, epochs=25, batch_size=64,
-                                 seed=0, target=0.98, **kwargs)
+    from kfac_jax_baseline import train_kfac_jax   # benchmarks/ on sys.path
+    history = train_kfac_jax("cnn", data, initial_weights, epochs=25, batch_size=64,
+                             seed=0, learning_rate=0.03, damping=0.1, target=0.98)
+
+The grids of settings tried per model are convergence.py's ``KFAC_JAX_GRIDS``.
 """
 import functools
 import time
@@ -95,53 +109,90 @@ import jax.numpy as jnp
 import kfac_jax
 import numpy as np
 
-__all__ = ["MODELS", "grid", "train_kfac_jax"]
+__all__ = ["MODELS", "logits", "params_from_keras", "train_kfac_jax"]
 
-MODELS = ("mlp", "cnn", "mnist1d")
+MODELS = ("mlp", "cnn", "mnist1d", "transformer")
 MOMENTUM = 0.9
 # Strides of the leading convolutions of each model (Conv2D for cnn, Conv1D for mnist1d)
 # and the number of Dense layers after them.
 _CONV_STRIDES = {"mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2)}
 _DENSE_LAYERS = {"mlp": 3, "cnn": 2, "mnist1d": 2}
-_GRIDS = {  # (learning rates, dampings); see grid()
-    "mlp": ((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
-    "cnn": ((0.02, 0.03, 0.05), (0.05, 0.1, 0.2)),
-    "mnist1d": ((0.001, 0.003, 0.01), (0.003, 0.01, 0.03)),
-}
+# get_weights() of convergence.make_mnist1d_transformer, in order.
+_TRANSFORMER_WEIGHTS = (
+    "conv_kernel", "conv_bias", "position", "norm1_gamma", "norm1_beta",
+    "query_kernel", "query_bias", "key_kernel", "key_bias", "value_kernel", "value_bias",
+    "output_kernel", "output_bias", "norm2_gamma", "norm2_beta",
+    "hidden_kernel", "hidden_bias", "projection_kernel", "projection_bias",
+    "norm3_gamma", "norm3_beta", "logits_kernel", "logits_bias")
+_LAYER_NORM_EPSILON = 1e-3           # Keras' LayerNormalization default
 
 
-def grid(kind):
-    """(setting label, keyword arguments of :func:`train_kfac_jax`) pairs to try for ``kind``.
-
-    Learning rate x damping, nine settings, as THOR's grid in convergence.py.
-    mlp: on digits at batch 64 the best setting is the middle one, lr=0.03
-    damping=0.3; at batch 256 it is lr=0.1 damping=0.1, where the settings beyond
-    it (lr 0.3, or damping 0.03) diverge without a norm constraint.
-    cnn: probed on seed 0, batch 64, target 0.98, 15 epochs at most. Only
-    lr=0.03 damping=0.1, the middle setting, reached it (epoch 5); lr 0.02 with
-    damping 0.05 or 0.1, lr 0.03 damping 0.2 and lr 0.05 damping 0.2 level off at
-    0.97-0.978; lr 0.03 damping 0.05 and lr 0.05 damping 0.1 diverge
-    (lr 0.05 damping 0.05 was not run). So 0.98 is barely within kfac-jax's reach
-    on this split; learning rate / damping >= 0.5 diverged. Outside the grid: lr 0.01
-    (damping 0.03 or 0.1) and lr 0.03 damping 0.3 level off at 0.97, lr 0.1
-    (damping 0.1 or 0.3) and lr 0.03 damping 0.03 diverge or oscillate.
-    mnist1d (target 0.90, seeds 0-2, 12 epochs at most): over lr 0.01-0.1 x damping
-    0.1-1.0 the best was lr=0.01 damping=0.1 (6 epochs, a corner); lr=0.03 damping=0.3
-    and lr=0.1 damping=1.0 took 8, the rest missed on at least two seeds. Moving the
-    grid towards smaller values twice, each time the best setting sat on its edge
-    (lr=0.01 damping=0.03: 5 epochs), found lr=0.003 damping=0.01 (4, 3, 4 epochs),
-    inside the grid; along the same ratio, lr=0.001 damping=0.003 took 4 (4, 5, 4)
-    and lr=0.01 damping=0.03 5 (benchmarks/results/mnist1d_kfac*.json hold every run).
-    """
-    if kind not in MODELS:
-        raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
-    learning_rates, dampings = _GRIDS[kind]
-    return [(f"lr={lr} damping={damping}", {"learning_rate": lr, "damping": damping})
-            for lr in learning_rates for damping in dampings]
+def _layer_norm(x, gamma, beta):
+    """Keras' LayerNormalization over the last axis; written as ``normalized * gamma + beta``
+    so that kfac-jax's scale-and-shift pattern finds it."""
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    variance = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(variance + _LAYER_NORM_EPSILON) * gamma + beta
 
 
-def _logits(params, x, kind):
+def _transformer_params(weights):
+    """The transformer's Keras weights as a dict of JAX arrays, reshaped where kfac-jax
+    needs it: the Conv1D kernel to HWIO, and the attention's EinsumDense kernels
+    ((32, heads, 16) query, key and value; (heads, 16, 32) output) and biases with their
+    head axes merged. kfac-jax 0.0.8's repeated-dense block takes one input and one
+    output axis only (with (32, heads, 16) kernels its curvature update fails on a shape
+    mismatch), and recognises a kernel only as it is passed in, not reshaped inside."""
+    p = {name: np.asarray(w, np.float32) for name, w in zip(_TRANSFORMER_WEIGHTS, weights)}
+    p["conv_kernel"] = p["conv_kernel"][None]
+    width = p["output_kernel"].shape[-1]
+    for name in ("query", "key", "value"):
+        p[f"{name}_kernel"] = p[f"{name}_kernel"].reshape(width, -1)
+        p[f"{name}_bias"] = p[f"{name}_bias"].reshape(-1)
+    p["output_kernel"] = p["output_kernel"].reshape(-1, width)
+    return {name: jnp.asarray(w) for name, w in p.items()}
+
+
+def _transformer_logits(p, x, heads=2):
+    """convergence.make_mnist1d_transformer without its softmax, on
+    :func:`_transformer_params`' arrays."""
+    # Each bias is added to its layer's product before anything else: kfac-jax's patterns
+    # then see "dense (or conv) with bias", not a layer without one and a separate shift.
+    x = jax.lax.conv_general_dilated(x[:, None], p["conv_kernel"], window_strides=(1, 2),
+                                     padding="SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    x = (x + p["conv_bias"][None, None, None])[:, 0] + p["position"]
+    h = _layer_norm(x, p["norm1_gamma"], p["norm1_beta"])
+    batch, length, width = h.shape
+    query, key, value = ((h @ p[f"{name}_kernel"] + p[f"{name}_bias"]).reshape(
+                             batch, length, heads, -1) for name in ("query", "key", "value"))
+    query = query / np.float32(np.sqrt(query.shape[-1]))
+    scores = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", query, key), axis=-1)
+    attended = jnp.einsum("bhqk,bkhd->bqhd", scores, value).reshape(batch, length, -1)
+    x = x + (attended @ p["output_kernel"] + p["output_bias"])
+    h = _layer_norm(x, p["norm2_gamma"], p["norm2_beta"])
+    h = jax.nn.gelu(h @ p["hidden_kernel"] + p["hidden_bias"],
+                    approximate=False)            # Keras' "gelu" is the exact one
+    x = x + (h @ p["projection_kernel"] + p["projection_bias"])
+    x = jnp.mean(_layer_norm(x, p["norm3_gamma"], p["norm3_beta"]), axis=1)
+    return x @ p["logits_kernel"] + p["logits_bias"]
+
+
+def params_from_keras(kind, weights):
+    """The JAX parameters of ``kind`` from its Keras model's ``get_weights()``.
+
+    Conv1D kernels (w, in, out) become (1, w, in, out) here, not in :func:`logits`:
+    kfac-jax's graph matcher only recognises a convolution whose kernel is a parameter
+    unchanged."""
+    if kind == "transformer":
+        return _transformer_params(weights)
+    return tuple((jnp.asarray(w[None] if w.ndim == 3 else w, jnp.float32),
+                  jnp.asarray(b, jnp.float32))
+                 for w, b in zip(weights[::2], weights[1::2]))
+
+
+def logits(params, x, kind):
     """The Keras model's forward pass up to (not including) the final softmax."""
+    if kind == "transformer":
+        return _transformer_logits(params, x)
     strides = _CONV_STRIDES[kind]
     one_d = x.ndim == 3                  # (n, length, channels): Conv1D layers
     if one_d:                            # as Conv2D over a height-1 image (see the docstring)
@@ -163,27 +214,27 @@ def _logits(params, x, kind):
 
 def _loss(params, batch, kind):
     x, y = batch
-    logits = _logits(params, x, kind)
-    kfac_jax.register_softmax_cross_entropy_loss(logits, y)
-    log_probs = jax.nn.log_softmax(logits)
+    scores = logits(params, x, kind)
+    kfac_jax.register_softmax_cross_entropy_loss(scores, y)
+    log_probs = jax.nn.log_softmax(scores)
     return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
 @functools.partial(jax.jit, static_argnums=3)
 def _accuracy(params, x, y, kind):
-    return jnp.mean(jnp.argmax(_logits(params, x, kind), axis=1) == y)
+    return jnp.mean(jnp.argmax(logits(params, x, kind), axis=1) == y)
 
 
 def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learning_rate, damping,
                    momentum=MOMENTUM, inverse_update_period=None, curvature_update_period=1,
                    estimation_mode=None, norm_constraint=None, target=None, verbose=0):
-    """Trains ``kind`` (``"mlp"`` or ``"cnn"``) with ``kfac_jax.Optimizer``; returns the history.
+    """Trains ``kind`` with ``kfac_jax.Optimizer``; returns the history.
 
     Args:
-        kind: one of :data:`MODELS`, the model of ``tf_msopt.compare.make_model``.
-        data: ``(x_train, x_val, y_train, y_val)`` as
-            ``tf_msopt.compare.prepare(kind, load_digits_split(seed))`` returns
-            (flat features for ``mlp``, (n, 8, 8, 1) images for ``cnn``).
+        kind: one of :data:`MODELS` (see the module docstring).
+        data: ``(x_train, x_val, y_train, y_val)`` as convergence.py's ``load_task``
+            returns (flat features for ``mlp``, (n, 8, 8, 1) images for ``cnn``,
+            (n, 40, 1) sequences for ``mnist1d`` and ``transformer``).
         initial_weights: the Keras model's ``get_weights()``.
         epochs, batch_size, seed: as for the Keras runs; ``epochs`` is the most run.
         learning_rate, damping, momentum: fixed for the whole run.
@@ -212,24 +263,21 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
     elif kind == "cnn" and x_train.ndim != 4:
         raise ValueError(f"{kind}: expected images (n, height, width, channels), "
                          f"got x_train of shape {x_train.shape}")
-    elif kind == "mnist1d" and x_train.ndim != 3:
+    elif kind in ("mnist1d", "transformer") and x_train.ndim != 3:
         raise ValueError(f"{kind}: expected sequences (n, length, channels), "
                          f"got x_train of shape {x_train.shape}")
     x_train, x_val = x_train.astype(np.float32), x_val.astype(np.float32)
     y_train, y_val = y_train.astype(np.int32), y_val.astype(np.int32)
-    layers = len(_CONV_STRIDES[kind]) + _DENSE_LAYERS[kind]
-    if len(initial_weights) != 2 * layers:
-        raise ValueError(f"initial_weights: expected {2 * layers} arrays ((kernel, bias) per "
-                         f"layer of the {kind}), got {len(initial_weights)}")
+    expected = (len(_TRANSFORMER_WEIGHTS) if kind == "transformer"
+                else 2 * (len(_CONV_STRIDES[kind]) + _DENSE_LAYERS[kind]))
+    if len(initial_weights) != expected:
+        raise ValueError(f"initial_weights: expected the {expected} arrays of the {kind}'s "
+                         f"get_weights(), got {len(initial_weights)}")
     steps_per_epoch = -(-len(x_train) // batch_size)
     if inverse_update_period is None:
         inverse_update_period = max(2, steps_per_epoch // 2)
 
-    # Conv1D kernels (w, in, out) become (1, w, in, out) here, not in _logits: kfac-jax's
-    # graph matcher only recognises a convolution whose kernel is a parameter unchanged.
-    params = tuple((jnp.asarray(w[None] if w.ndim == 3 else w, jnp.float32),
-                    jnp.asarray(b, jnp.float32))
-                   for w, b in zip(initial_weights[::2], initial_weights[1::2]))
+    params = params_from_keras(kind, initial_weights)
     x_val_j, y_val_j = jnp.asarray(x_val), jnp.asarray(y_val)
     optimizer = kfac_jax.Optimizer(
         value_and_grad_func=jax.value_and_grad(functools.partial(_loss, kind=kind)),

@@ -97,14 +97,17 @@ def _documented_results():
                                      for word in words for path in _expand_braces(word)])
 
 
-def test_documented_thor_results_are_the_declared_grids_with_best_settings_inside():
-    """docs/performance.md's tables come from exactly the settings of THOR_GRIDS, so that a
-    regeneration reruns what is shown, and no best setting lies on its grid's edge."""
+def test_documented_results_are_the_declared_grids_with_best_settings_inside():
+    """docs/performance.md's tables come from exactly the settings of THOR_GRIDS,
+    FIRST_ORDER_RATES and KFAC_JAX_GRIDS, so that a regeneration reruns what is shown, and
+    no best setting lies on its grid's edge."""
     for task, info in _documented_results().items():
-        declared = convergence.grids(task, frequency=10)
+        declared = {name: {label for label, _, _ in settings}
+                    for name, settings in convergence.grids(task, frequency=10).items()}
+        declared["kfac-jax"] = {f"lr={lr} damping={damping}" for lr, damping in
+                                convergence.grid_settings(convergence.KFAC_JAX_GRIDS[task])}
         for name, settings in info["runs"].items():
-            if name in convergence.THOR_CONFIGS:
-                assert set(settings) == {label for label, _, _ in declared[name]}, (task, name)
+            assert set(settings) == declared[name], (task, name)
             label = convergence.best_settings({name: settings})[name][0]
             assert convergence.edge_of_grid(settings, label) == [], (task, name, label)
 

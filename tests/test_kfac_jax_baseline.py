@@ -1,0 +1,35 @@
+"""benchmarks/kfac_jax_baseline.py trains the same networks as convergence.py's Keras models.
+
+Needs the ``benchmark`` extra (jax, kfac-jax); skipped where kfac-jax is not installed.
+"""
+import numpy as np
+import pytest
+
+from helpers import benchmark_module
+
+pytest.importorskip("kfac_jax", reason="the kfac-jax baseline needs the benchmark extra")
+jax = pytest.importorskip("jax")
+convergence = benchmark_module("convergence")
+baseline = benchmark_module("kfac_jax_baseline")
+
+
+@pytest.mark.parametrize("kind", baseline.MODELS)
+def test_jax_logits_match_the_keras_model(kind):
+    x_train, x_val, y_train, _ = convergence.load_task(kind, 0)
+    model = convergence.build_model(kind, x_train.shape[1:], int(y_train.max()) + 1)
+    rng = np.random.default_rng(0)
+    # Every array perturbed: zero biases, unit gammas and zero betas would hide a misplaced one.
+    weights = [w + 0.3 * rng.standard_normal(w.shape).astype(np.float32)
+               for w in model.get_weights()]
+    model.set_weights(weights)
+    x = np.asarray(x_val[:16], np.float32)
+    params = baseline.params_from_keras(kind, weights)
+    got = jax.nn.softmax(baseline.logits(params, x, kind))
+    np.testing.assert_allclose(np.asarray(got), model.predict(x, verbose=0), atol=1e-5)
+
+
+def test_wrong_number_of_weights_names_the_argument():
+    data = convergence.load_task("transformer", 0)
+    with pytest.raises(ValueError, match="initial_weights"):
+        baseline.train_kfac_jax("transformer", data, [np.zeros(3)], epochs=1, batch_size=64,
+                                seed=0, learning_rate=0.001, damping=0.001)

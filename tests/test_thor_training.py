@@ -252,6 +252,30 @@ def test_thor_models_build_before_tracing_their_train_step(entry):
     assert 0.0 < logs["accuracy"] <= 1.0 and np.isfinite(logs["loss"])
 
 
+def test_thor_build_before_tracing_starts_no_extra_data_iterator(monkeypatch):
+    """The build reads the batch's shapes from the dataset: fit with validation data starts
+    as many tf.data iterators under THOR as under SGD (each one started and dropped costs
+    its prefetch's shutdown)."""
+    x, y = digits()
+    started = []
+    dataset_iter = tf.data.Dataset.__iter__
+    monkeypatch.setattr(tf.data.Dataset, "__iter__",
+                        lambda self: (started.append(1), dataset_iter(self))[1])
+
+    def iterators(make_optimizer):
+        model = digits_mlp()
+        model.compile(optimizer=make_optimizer(model), metrics=["accuracy"],
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        started.clear()
+        model.fit(x[:150], y[:150], batch_size=64, epochs=2, verbose=0,
+                  validation_data=(x[150:250], y[150:250]))
+        return len(started)
+
+    sgd = iterators(lambda model: keras.optimizers.SGD(0.05, momentum=0.9))
+    assert sgd > 0
+    assert iterators(lambda model: mso.thor(model, 0.05, 0.03, 0.9, frequency=2)) == sgd
+
+
 def test_inversion_graph_traced_once_when_a_custom_step_is_traced_twice():
     """A custom step whose first trace builds THOR is traced twice; the inversion part,
     which does not depend on the batch, is built once."""

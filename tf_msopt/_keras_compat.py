@@ -13,6 +13,7 @@ import re
 
 import keras
 import tensorflow as tf
+from keras.src.backend.tensorflow.trainer import TFEpochIterator
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 
@@ -55,6 +56,7 @@ _INSTANCE_ATTRIBUTES = (
                                   "_trainable_variables_indices", "_distribution_strategy")),
     (keras.layers.Layer, ("_trainable_variables",)),
     (keras.Model, ("_distribute_strategy",)),
+    (TFEpochIterator, ("_distributed_dataset",)),
     (tf.Graph, ("experimental_acd_manager",)),
 )
 # (owner, method, a statement its source must hold: behaviour the package relies on)
@@ -225,12 +227,16 @@ def symbolic_build(model, original, iterator=None, data_batch=None):
     """What ``original`` (``model``'s own :data:`SYMBOLIC_BUILD`) does under a strategy,
     done without one too: the step is then traced once. Without a strategy Keras builds
     inside the first trace, and a ``tf.function`` whose first trace creates variables
-    (the compiled metrics', the optimizer's) is traced a second time."""
-    if iterator is not None and model._distribute_strategy is None:
-        for _, _, batches in iterator:   # fit and evaluate reset the iterator afterwards
-            data_batch = next(batches, None)
-            break
-    if model._distribute_strategy is not None or data_batch is None:
+    (the compiled metrics', the optimizer's) is traced a second time.
+
+    The build needs only the batch's structure, shapes and dtypes, so they are read from
+    the epoch iterator's dataset: pulling a batch would start an iterator that fit and
+    evaluate tear down right after (0.07 s on the digits MLP, while its prefetch stops)."""
+    if model._distribute_strategy is not None:
+        return original(iterator=iterator, data_batch=data_batch)
+    if iterator is not None:
+        data_batch = iterator._distributed_dataset.element_spec
+    if data_batch is None:
         return original(iterator=iterator, data_batch=data_batch)
     return model._symbolic_build(data_batch=data_batch)
 

@@ -36,7 +36,7 @@ the same way.
                                      [--frequency F] [--save results.json]
                                      [--rounds R] [--plot convergence.png]
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
-                                     [--rounds R --save retimed.json]
+                                     [--rounds R [--optimizers A,B] --save retimed.json]
 
 ``--save`` writes every run (per seed: epochs and seconds to the target, the
 validation accuracy and time of every epoch) to a JSON file; ``--from`` reads one
@@ -51,8 +51,8 @@ bounds every setting, so a median of those below the target means no setting of 
 grid can meet it.
 
 ``--rounds R`` then runs each optimizer's best setting (of the grids just run, or of the
-``--from`` files) R more times, interleaved (round
-``r`` in order ``r`` of a balanced design, as the step benchmarks do), and compares
+``--from`` files, there only those of ``--optimizers`` if given) R more times, interleaved
+(round ``r`` in order ``r`` of a balanced design, as the step benchmarks do), and compares
 THOR's median seconds with the best first-order optimizer's from those rounds: the grid
 runs one optimizer after another, so a machine that drifts during the run (a shared one
 can, by 10-20%) moves their seconds apart; the rounds share the drift.
@@ -826,7 +826,8 @@ def main(argv=None):
     parser.add_argument("--frequency", type=int, default=None,
                         help="THOR's frequency (default: half the steps of an epoch)")
     parser.add_argument("--optimizers", default=None,
-                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)}")
+                        help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (with --from "
+                             f"and --rounds: the ones re-timed)")
     parser.add_argument("--save", default=None, help="write every run to this JSON file")
     parser.add_argument("--from", dest="sources", nargs="+", default=None,
                         help="tabulate these --save files instead of training")
@@ -843,10 +844,13 @@ def main(argv=None):
         wanted = _names(args.task, TASKS, "tasks")
         tasks = {t: info for t, info in tasks.items() if t in wanted}
         if args.rounds:
+            optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
             for task, info in tasks.items():
+                runs = {name: settings for name, settings in info["runs"].items()
+                        if not optimizers or name in optimizers}
                 info["retimed"] = retime(task, info["target"], info["seeds"], info["max_epochs"],
-                                         info["batch_size"], info["thor_frequency"],
-                                         info["runs"], args.rounds)
+                                         info["batch_size"], info["thor_frequency"], runs,
+                                         args.rounds)
             if args.save:
                 save_results(args.save, tasks)
     else:

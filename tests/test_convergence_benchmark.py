@@ -215,3 +215,24 @@ def test_retime_without_a_setting_at_the_target_runs_nothing():
     assert convergence.retime("mlp", 0.97, [0, 1, 2], 25, 64, 10, results, rounds=3) == {}
     assert convergence.report({"mlp": {"target": 0.97, "runs": results,
                                        "retimed": {}}})["mlp"]["retimed"] is None
+
+
+def test_rounds_from_saved_results_retime_only_the_named_optimizers(monkeypatch, tmp_path):
+    runs = {name: {"s": {"params": {}, "epochs": [3, 3, 3], "seconds": [1.0, 1.0, 1.0],
+                         "val_accuracy": [[0.9, 0.95, 0.99]] * 3}}
+            for name in ("THOR", "Adam", "SGD-momentum")}
+    path = str(tmp_path / "r.json")
+    convergence.save_results(path, {"mlp": {"target": 0.97, "seeds": [0, 1, 2], "max_epochs": 25,
+                                            "batch_size": 64, "thor_frequency": 11,
+                                            "runs": runs}})
+    retimed = []
+
+    def fake_retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds):
+        retimed.append(sorted(results))
+        return {}
+
+    monkeypatch.setattr(convergence, "retime", fake_retime)
+    convergence.main(["--from", path, "--rounds", "2", "--optimizers", "THOR,Adam",
+                      "--plot", ""])
+    convergence.main(["--from", path, "--rounds", "2", "--plot", ""])
+    assert retimed == [["Adam", "THOR"], ["Adam", "SGD-momentum", "THOR"]]

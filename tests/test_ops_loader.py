@@ -1,4 +1,4 @@
-"""The lazy op loader and its kill switch."""
+"""The op loader and its kill switch."""
 import os
 
 import pytest

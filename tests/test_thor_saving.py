@@ -1,9 +1,15 @@
 """Save at a stale step, resume in a fresh process: equal to an uninterrupted run."""
 import json
+import os
+import re
+import subprocess
+import sys
 
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
+from helpers import REPO_ROOT, regression_data, small_mlp
 from test_thor_training import mixed_data, mixed_model
 
 import tf_msopt as mso
@@ -43,3 +49,41 @@ def test_loaded_model_resumes_second_order_after_connect(tmp_path):
     for got, want in zip(loaded.get_weights(), model.get_weights()):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
     assert json.dumps(loaded.optimizer.get_config()) == json.dumps(optimizer.get_config())
+
+
+def test_export_during_fit_serves_predict_and_leaves_training_unchanged(tmp_path):
+    """``model.export`` at each epoch's end of a THOR ``fit``: the export serves what
+    ``predict`` gives then, and the training goes on exactly as without the exports."""
+    x, y = regression_data(n=48)
+    served, predicted = [], []
+
+    class ExportEachEpoch(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            path = str(tmp_path / f"epoch_{epoch}")
+            self.model.export(path, verbose=False)
+            loaded = tf.saved_model.load(path)
+            served.append(loaded.serve(tf.constant(x[:5])).numpy())
+            predicted.append(self.model.predict(x[:5], verbose=0))
+
+    def fit(callbacks):
+        model = small_mlp()
+        model.compile(optimizer=mso.thor(model, 0.05, 0.03, 0.9, frequency=4), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        return model.get_weights()
+
+    exported = fit([ExportEachEpoch()])
+    for got, want in zip(exported, fit([])):
+        np.testing.assert_array_equal(got, want)
+    assert len(served) == 2
+    for got, want in zip(served, predicted):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_export_example_serves_without_tf_msopt():
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
+    result = subprocess.run([sys.executable, "examples/thor_export.py", "--epochs", "1"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO_ROOT, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "tf_msopt imported: False" in result.stdout
+    difference = re.search(r"predicted probabilities: (\S+)", result.stdout).group(1)
+    assert float(difference) <= 1e-6, result.stdout

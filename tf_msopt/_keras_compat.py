@@ -14,11 +14,14 @@ import re
 import keras
 import tensorflow as tf
 from keras.src.backend.tensorflow.trainer import TFEpochIterator
+from tensorflow.python.eager import record as tape_record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
+from tensorflow.python.trackable import base as trackable_base
 
 __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOLIC_BUILD",
-           "check", "distribution_strategy", "flatten_layers", "in_xla_context",
+           "check", "distribution_strategy", "flatten_layers", "gradient_may_be_recorded",
+           "in_xla_context",
            "merge_call", "optimizer_own_variables", "overwrites_with_gradient",
            "own_iterations", "own_trainable_variables", "registered_kernel_devices",
            "resource_variable", "runs_every_stateful_op", "strategy_supports_no_merge_call",
@@ -49,6 +52,7 @@ _METHODS = (
     (keras.layers.Layer, "_flatten_layers", ("include_self", "recursive")),
     (keras.Model, "_maybe_symbolic_build", ("iterator", "data_batch")),
     (keras.Model, "_symbolic_build", ("iterator", "data_batch")),
+    (trackable_base.Trackable, "_trackable_children", ("save_type",)),
 )
 # (owner, attributes its __init__ or build assigns on self)
 _INSTANCE_ATTRIBUTES = (
@@ -72,6 +76,7 @@ _FUNCTIONS = (
     (control_flow_util, "GraphOrParentsInXlaContext", ("graph",)),
     (kernels, "get_registered_kernels_for_op", ("name",)),
     (resource_variable_ops, "ResourceVariable", ()),
+    (tape_record, "could_possibly_record", ()),
 )
 
 
@@ -249,6 +254,14 @@ def runs_every_stateful_op():
         tf.compat.v1.get_default_graph().experimental_acd_manager is not None)
 
 
+def gradient_may_be_recorded():
+    """True where a gradient tape may record what runs or is traced now: a tape is active
+    in this thread (also one outside the ``tf.function`` being traced). False in
+    ``predict``, ``evaluate`` and the functions ``model.export`` or
+    ``tf.saved_model.save`` trace for serving."""
+    return tape_record.could_possibly_record()
+
+
 def in_xla_context():
     """True while tracing inside a ``jit_compile=True`` function."""
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
@@ -284,6 +297,18 @@ class Optimizer(keras.optimizers.Optimizer):
 
     def decay_weights(self, variables):
         return keras.optimizers.Optimizer._apply_weight_decay(self, variables)
+
+    def _trackable_children(self, save_type="checkpoint", **kwargs):
+        children = super()._trackable_children(save_type, **kwargs)
+        if save_type == "savedmodel":
+            children.update(self.savedmodel_only_children())
+        return children
+
+    def savedmodel_only_children(self):
+        """``{name: trackable}`` that a SavedModel holds beside the optimizer's variables but
+        a checkpoint does not: state that functions traced from the optimizer capture and
+        that is no part of the optimizer's saved state."""
+        return {}
 
 
 class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):

@@ -1,7 +1,8 @@
-"""Lazy loader of the compiled op library, with the ``TF_MSOPT_DISABLE_CUSTOM_OPS`` kill switch.
+"""Loader of the compiled op library, with the ``TF_MSOPT_DISABLE_CUSTOM_OPS`` kill switch.
 
-The library is loaded on first use, never at import. A missing file, a build
-against another TensorFlow (``undefined symbol``) or the kill switch all leave
+``import tf_msopt`` loads the library (about 10 ms), so that its ops are registered
+before a SavedModel whose functions use them is loaded. A missing file, a build against
+another TensorFlow (``undefined symbol``) or the kill switch all leave
 ``load_custom_ops()`` returning None, and callers take their pure-TF path.
 """
 import os

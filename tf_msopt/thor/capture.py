@@ -9,8 +9,10 @@ attribute; the class is untouched): the block passes the output it observes
 through an identity whose gradient function records, on THOR steps only, the
 block's statistics of that call (sums over rows) and the row count.
 
-Everything is recorded in the backward pass, so ``predict`` and ``evaluate``
-record nothing, and a stale step costs one ``tf.cond`` per layer. With the sampled
+Everything is recorded in the backward pass, and a stale step costs one ``tf.cond`` per
+layer. Where no gradient tape is recording (``predict``, ``evaluate``, the functions
+``model.export`` and ``tf.saved_model.save`` trace) the patched call is the layer's
+own computation alone: inference graphs hold nothing of THOR's. With the sampled
 Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs and
 outputs to the model-level capture, which records after the forward pass.
 """
@@ -169,7 +171,12 @@ class _Capture:
         self.is_statistics_step, self.sampled = is_statistics_step, sampled
 
     def __call__(self, inputs, *args, **kwargs):
-        if self.statistics is None:       # no factors: only the global batch is needed
+        if not compat.gradient_may_be_recorded():
+            # No gradient can be taken (predict, evaluate, serving functions): nothing to
+            # record, and inference graphs stay free of THOR's state.
+            def observe(outputs):
+                return outputs
+        elif self.statistics is None:       # no factors: only the global batch is needed
             def observe(outputs):
                 return _observe(outputs, lambda d: assign(self.batch, _global_batch(d)))
         elif self.sampled is not None:

@@ -441,6 +441,17 @@ class THOR(MindSporeOptimizer):
         return ThorReport(tuple(rows), self.frequency, self.block_size, inverse_backend(),
                           self._connection is not None, decisions)
 
+    def savedmodel_only_children(self):
+        # A training step traced in a SavedModel captures the capture buffers, so the
+        # SavedModel must hold them; they are rewritten on every THOR step, so no
+        # checkpoint does.
+        if self._connection is None:
+            return {}
+        buffers = [self._connection.batch] + [
+            buffer for layer in self._connection.statistics
+            for buffer in (layer.a, layer.g, layer.rows)]
+        return {f"capture_buffer_{i}": buffer for i, buffer in enumerate(buffers)}
+
     # --- state
 
     def build(self, var_list):

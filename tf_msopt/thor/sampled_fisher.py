@@ -28,6 +28,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.capture import when
 
 __all__ = ["OutputDistribution", "SampledFisher", "output_distribution", "stream_key",
@@ -157,7 +158,8 @@ class SampledFisher:
 
     def wrap(self, call):
         def sampled_fisher_call(inputs, *args, **kwargs):
-            if not kwargs.get("training") or self._watched is not None:
+            if (not kwargs.get("training") or self._watched is not None
+                    or not compat.gradient_may_be_recorded()):
                 return call(inputs, *args, **kwargs)
             self._watched = []
             try:

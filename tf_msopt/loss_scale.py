@@ -22,7 +22,8 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
                                   type_name)
-from tf_msopt.optimizers.base import AcceptsEmptyGradients, set_all_weights
+from tf_msopt.optimizers.base import (AcceptsEmptyGradients, BuildsOnceEveryReplicaIsReady,
+                                      set_all_weights)
 
 __all__ = [
     "DynamicLossScaleManager",
@@ -359,7 +360,8 @@ def _unscale(grad, inv_scale):
 
 
 @register
-class LossScaleOptimizer(AcceptsEmptyGradients, compat.LossScaleOptimizer):
+class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
+                         compat.LossScaleOptimizer):
     """Loss scaling with MindSpore's cells and managers, on Keras' ``LossScaleOptimizer``.
 
     Each step (``fit`` scales the loss with :meth:`scale_loss`; a custom loop

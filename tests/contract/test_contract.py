@@ -353,6 +353,52 @@ def test_exclude_from_weight_decay(case, form):
 
 
 @case
+@pytest.mark.parametrize("form", ["var_names", "var_list"])
+def test_exclude_from_weight_decay_inside_strategy_run(case, form, two_cpu_strategy):
+    """Keras' distributed weight-decay test: each replica configures the exclusion inside
+    ``strategy.run`` and then applies (the optimizer builds once every replica has
+    configured it, as Keras' own do); the result is one device's."""
+    def run(strategy):
+        with strategy.scope() if strategy else tf.init_scope():
+            model = C.mlp()
+            optimizer = C.make(case, model, weight_decay=0.1)
+        head = model.get_layer("head")
+        zeros = [tf.zeros_like(v) for v in model.trainable_variables]
+
+        def configure_and_apply():
+            if form == "var_names":
+                optimizer.exclude_from_weight_decay(var_names=["head"])
+            else:
+                optimizer.exclude_from_weight_decay(var_list=[head.kernel, head.bias])
+            optimizer.apply(zeros, model.trainable_variables)
+
+        def apply():
+            optimizer.apply(zeros, model.trainable_variables)
+
+        for step in (configure_and_apply, apply):
+            strategy.run(step) if strategy else step()
+        return C.weights(model)
+
+    start = C.weights(C.mlp())
+    mirrored, one_device = run(two_cpu_strategy), run(None)
+    fc1_kernel, fc1_bias, head_kernel, head_bias = range(4)
+    assert np.abs(one_device[fc1_kernel] - start[fc1_kernel]).max() > 1e-5, "decay must act"
+    for index in (head_kernel, head_bias):
+        np.testing.assert_array_equal(one_device[index], start[index])
+    assert_same(mirrored, one_device, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", CONFIG_PARAMS)
+def test_set_weights_on_an_unbuilt_optimizer_fails_as_keras_does(case):
+    with pytest.raises(ValueError) as keras_error:
+        keras.optimizers.Adam().set_weights([])
+    model = C.mlp()
+    with pytest.raises(ValueError) as error:
+        C.make(case, model).set_weights([np.zeros(())])
+    assert str(error.value).startswith(str(keras_error.value))
+
+
+@case
 def test_use_ema(case):
     model = C.mlp()
     optimizer = C.make(case, model, use_ema=True, ema_momentum=0.5)

@@ -24,6 +24,8 @@ from tf_msopt._validation import check_bool, type_name
 from tf_msopt.schedules import PerStepSchedule
 
 __all__ = [
+    "AcceptsEmptyGradients",
+    "BuildsOnceEveryReplicaIsReady",
     "MindSporeOptimizer",
     "check_filter",
     "default_name",
@@ -137,8 +139,12 @@ def set_all_weights(optimizer, weights):
     variables = optimizer.variables
     weights = list(weights)
     if not optimizer.built:
-        raise ValueError(f"For '{type(optimizer).__name__}', set_weights() needs a built "
-                         f"optimizer: call optimizer.build(trainable_variables) first.")
+        # Keras' message first: code that matches Keras' error matches this one.
+        raise ValueError(
+            "You are calling `set_weights()` on an optimizer that has not yet been built. "
+            "Please call `optimizer.build(trainable_variables)` to create the optimizer "
+            "weights before calling `set_weights()`. "
+            f"For '{type(optimizer).__name__}', that also builds its inner optimizer.")
     if len(weights) != len(variables):
         raise ValueError(
             f"For '{type(optimizer).__name__}', set_weights() got {len(weights)} values for "
@@ -220,7 +226,29 @@ class AcceptsEmptyGradients:
         return super().apply_gradients(grads_and_vars)
 
 
-class MindSporeOptimizer(AcceptsEmptyGradients, compat.Optimizer):
+class BuildsOnceEveryReplicaIsReady:
+    """Mixin: first applied from ``strategy.run`` with several replicas, the optimizer
+    builds in the cross-replica merge, once every replica has reached its first
+    ``apply``. What each replica configures before that (``exclude_from_weight_decay``,
+    say, as Keras' distributed tests do) is then in place for the build, whichever replica
+    gets there first. Elsewhere Keras' ``apply`` builds as usual."""
+
+    def apply(self, grads, trainable_variables=None):
+        context = tf.distribute.get_replica_context()
+        if (not self.built and trainable_variables is not None and len(grads)
+                and context is not None and context.num_replicas_in_sync > 1):
+            trainable_variables = list(trainable_variables)
+            context.merge_call(lambda strategy: self._build_in_merge(trainable_variables))
+        return super().apply(grads, trainable_variables)
+
+    def _build_in_merge(self, trainable_variables):
+        with keras.name_scope(self.name, caller=self):
+            self.build(trainable_variables)
+        self.built = True     # as Keras' apply marks it
+
+
+class MindSporeOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
+                         compat.Optimizer):
     """Base of the package's optimizers.
 
     Subclasses implement :meth:`_update` (the per-variable math, writing through

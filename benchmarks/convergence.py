@@ -828,7 +828,8 @@ def main(argv=None):
     parser.add_argument("--optimizers", default=None,
                         help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (with --from "
                              f"and --rounds: the ones re-timed)")
-    parser.add_argument("--save", default=None, help="write every run to this JSON file")
+    parser.add_argument("--save", "--out", dest="save", default=None,
+                        help="write every run to this JSON file (replacing it)")
     parser.add_argument("--from", dest="sources", nargs="+", default=None,
                         help="tabulate these --save files instead of training")
     parser.add_argument("--note", default="",

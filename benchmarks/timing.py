@@ -8,7 +8,7 @@ import time
 
 def balanced_orders(count):
     """Orders of ``count`` cases in which each case runs right after every other one equally
-    often (a Williams design): ``count`` orders for an even count, twice that for an odd one.
+    often (a Williams Latin square): ``count`` orders for an even count, twice that for an odd one.
     """
     first = [0]
     low, high = 1, count - 1

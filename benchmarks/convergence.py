@@ -38,8 +38,8 @@ the same way.
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
                                      [--rounds R [--optimizers A,B] --save retimed.json]
 
-``--save`` writes every run (per seed: epochs and seconds to the target, the
-validation accuracy and time of every epoch) to a JSON file; ``--from`` reads one
+``--save`` (or ``--out``) writes every run (per seed: epochs and seconds to the target,
+the validation accuracy and time of every epoch) to a JSON file, replacing it; ``--from`` reads one
 or more such files instead of training (later files replace the same optimizer's
 runs of the same task) and tabulates them. Prints every run, a table of the best
 settings per task, the ratios of each THOR configuration to the best first-order

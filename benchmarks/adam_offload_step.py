@@ -10,7 +10,7 @@ path, ``keras.optimizers.Adam``, TensorFlow's fused ``ResourceApplyAdam``
 kernel, and, when installed, DeepSpeed's ``DeepSpeedCPUAdam`` and
 ``torch.optim.Adam(fused=True)``. Cases run interleaved, round after round
 (medians reported), so machine noise hits them alike. The last line printed is
-JSON.
+JSON (``--out FILE`` also writes it to FILE, replacing the file).
 
     python benchmarks/adam_offload_step.py [--params 10000000] [--variables 10] [--rounds 15]
                                            [--threads both|default|N] [--idle-ms MS]
@@ -41,11 +41,12 @@ TensorFlow cases only.
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 
 import numpy as np
+
+from timing import emit, machine, time_cases
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -63,6 +64,7 @@ def parse_arguments():
                              "the host waits while the accelerator runs the model)")
     parser.add_argument("--torch-site", default=os.environ.get("TF_MSOPT_BENCH_TORCH_SITE"),
                         help="a site-packages folder holding torch and deepspeed")
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     return parser.parse_args()
 
 
@@ -118,11 +120,25 @@ def torch_cases(values, grads):
     return cases, notes
 
 
+def without_out(arguments):
+    """``arguments`` less ``--out FILE``: the runs of ``run_both`` leave the file to it."""
+    kept, skip = [], False
+    for argument in arguments:
+        if skip:
+            skip = False
+        elif argument == "--out":
+            skip = True
+        elif not argument.startswith("--out="):
+            kept.append(argument)
+    return kept
+
+
 def run_both():
     """Runs this script with the default thread count, then one thread; prints both."""
     results = {}
     for threads in ("default", "1"):
-        command = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--threads", threads]
+        command = [sys.executable, os.path.abspath(__file__), *without_out(sys.argv[1:]),
+                   "--threads", threads]
         output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
         lines = output.strip().splitlines()
         print("\n".join(lines[:-1]) + "\n")
@@ -131,8 +147,8 @@ def run_both():
                for k, r in results.items()}
     print("adam_offload throughput vs DeepSpeedCPUAdam: "
           + ", ".join(f"{k} {v:.2f}x" if v else f"{k} not measured" for k, v in summary.items()))
-    print(json.dumps({"benchmark": "adam_offload_step", "threads": "both",
-                      "vs_deepspeed": summary, "runs": results}))
+    emit({"benchmark": "adam_offload_step", "threads": "both", "machine": machine(),
+          "vs_deepspeed": summary, "runs": results}, ARGS.out)
 
 
 if __name__ == "__main__" and ARGS.threads == "both":
@@ -154,7 +170,6 @@ if THREADS:
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.ops import _loader  # noqa: E402
 from tf_msopt.ops.adam import adam_offload_steps  # noqa: E402
-from timing import time_cases  # noqa: E402
 
 
 def keras_case(make_optimizer, values, grads, device="/CPU:0", pure_tf=False):
@@ -249,15 +264,14 @@ def main():
               f"(target >= 1.0x) {verdict}")
     else:
         print("target adam_offload vs DeepSpeedCPUAdam: not measured (DeepSpeed unavailable)")
-    print(json.dumps({
+    emit({
         "benchmark": "adam_offload_step", "params": args.params, "variables": args.variables,
-        "threads": THREADS, "idle_ms": args.idle_ms, "machine": {"cpus": os.cpu_count(),
-                                        "processor": platform.processor() or platform.machine()},
+        "threads": THREADS, "idle_ms": args.idle_ms, "machine": machine(),
         "custom_ops": mso.ops.custom_ops_available(), "notes": notes,
         "ms_per_step": {k: round(s * 1e3, 3) for k, s in medians.items()},
         "mparams_per_s": {k: round(v, 1) for k, v in throughput.items()},
         "ratios": {k: round(r, 3) for k, r in ratios.items()},
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

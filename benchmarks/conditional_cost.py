@@ -9,21 +9,20 @@ with 0, 1 and ``--conditionals`` untaken conditionals, each of whose branches wo
 write a 64x64 covariance of a gradient into a buffer, as THOR's capture does. Cases run
 interleaved in one process (``timing.time_cases``); the ratios are to the step with none,
 and the cost per conditional is the difference divided by the count. The last line
-printed is JSON.
+printed is JSON (``--out FILE`` also
+writes it to FILE, replacing the file).
 
     python benchmarks/conditional_cost.py [--conditionals 4] [--rounds 15] [--calls 200]
 """
 import argparse
-import json
 import os
-import platform
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 WIDTHS = (64, 64, 64, 10)
 BATCH = 64
@@ -71,6 +70,7 @@ def main():
                         help="THOR's digits-MLP stale step has 4 (3 captures, 1 refresh)")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
     counts = sorted({0, 1, args.conditionals})
     steps = {f"{n} conditional(s)": make_step(n) for n in counts}
@@ -82,11 +82,10 @@ def main():
     for n, (key, seconds) in zip(counts, times.items()):
         per[n] = 1e6 * (seconds - baseline) / n if n else 0.0
         print(f"{key:>18} {1e6 * seconds:9.1f} {seconds / baseline:6.3f}x {per[n]:19.1f}")
-    print(json.dumps({"benchmark": "conditional_cost", "machine": platform.machine(),
-                      "cpus": os.cpu_count(), "tensorflow": tf.__version__,
-                      "us_per_step": {k: 1e6 * v for k, v in times.items()},
-                      "ratio": {k: v / baseline for k, v in times.items()},
-                      "us_per_conditional": {str(n): per[n] for n in counts if n}}))
+    emit({"benchmark": "conditional_cost", "machine": machine(),
+          "us_per_step": {k: 1e6 * v for k, v in times.items()},
+          "ratio": {k: v / baseline for k, v in times.items()},
+          "us_per_conditional": {str(n): per[n] for n in counts if n}}, args.out)
 
 
 if __name__ == "__main__":

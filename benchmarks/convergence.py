@@ -38,8 +38,8 @@ the same way.
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
                                      [--rounds R [--optimizers A,B] --save retimed.json]
 
-``--save`` writes every run (per seed: epochs and seconds to the target, the
-validation accuracy and time of every epoch) to a JSON file; ``--from`` reads one
+``--save`` (or ``--out``) writes every run (per seed: epochs and seconds to the target,
+the validation accuracy and time of every epoch) to a JSON file, replacing it; ``--from`` reads one
 or more such files instead of training (later files replace the same optimizer's
 runs of the same task) and tabulates them. Prints every run, a table of the best
 settings per task, the ratios of each THOR configuration to the best first-order
@@ -52,7 +52,7 @@ grid can meet it.
 
 ``--rounds R`` then runs each optimizer's best setting (of the grids just run, or of the
 ``--from`` files, there only those of ``--optimizers`` if given) R more times, interleaved
-(round ``r`` in order ``r`` of a balanced design, as the step benchmarks do), and compares
+(round ``r`` in order ``r`` of a balanced set of orders, as the step benchmarks do), and compares
 THOR's median seconds with the best first-order optimizer's from those rounds: the grid
 runs one optimizer after another, so a machine that drifts during the run (a shared one
 can, by 10-20%) moves their seconds apart; the rounds share the drift.
@@ -459,7 +459,7 @@ def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=
 def retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds):
     """Runs each optimizer's best setting in ``results`` (those that reach the target) again,
     ``rounds`` times, interleaved: round ``r`` takes the optimizers in order ``r`` of a
-    balanced design, so that the machine's drift during a run, and whatever one run leaves
+    balanced set of orders, so that the machine's drift during a run, and whatever one run leaves
     behind, fall on every optimizer alike. Returns ``{optimizer: {"setting", "epochs",
     "seconds"}}``, one list of per-seed values per round."""
     best = {name: label for name, (label, epochs, _) in best_settings(results).items()
@@ -828,7 +828,8 @@ def main(argv=None):
     parser.add_argument("--optimizers", default=None,
                         help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (with --from "
                              f"and --rounds: the ones re-timed)")
-    parser.add_argument("--save", default=None, help="write every run to this JSON file")
+    parser.add_argument("--save", "--out", dest="save", default=None,
+                        help="write every run to this JSON file (replacing it)")
     parser.add_argument("--from", dest="sources", nargs="+", default=None,
                         help="tabulate these --save files instead of training")
     parser.add_argument("--note", default="",

@@ -8,14 +8,12 @@ per-step time of each is reported with its ratio to Keras' optimizer (target
 <= 1.02x). A step without loss scaling is timed as a reference. With
 ``--mirrored`` every case runs under MirroredStrategy over two logical CPUs,
 where tf_msopt's optimizer also all-reduces the overflow verdict (Keras' does
-not, which is its bug). The last line printed is JSON.
+not, which is its bug). The last line printed is JSON (``--out FILE`` also writes it to FILE, replacing the file).
 
     python benchmarks/loss_scale_step.py [--hidden 256] [--batch 128] [--rounds 21] [--mirrored]
 """
 import argparse
-import json
 import os
-import platform
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -24,7 +22,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 INITIAL_SCALE = 2.0**15
 WINDOW = 2000
@@ -81,6 +79,7 @@ def main():
     parser.add_argument("--calls-per-round", type=int, default=100)
     parser.add_argument("--mirrored", action="store_true",
                         help="run under MirroredStrategy over two logical CPUs")
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
 
     strategy = tf.distribute.get_strategy()
@@ -107,14 +106,13 @@ def main():
         print(f"{name:<20}{seconds * 1e3:>10.3f}{seconds / keras_lso:>13.3f}x")
     verdict = "meets" if ratio <= 1.02 else "MISSES"
     print(f"target mso_vs_keras_loss_scale: {ratio:.3f}x (target <= 1.02x) {verdict}")
-    print(json.dumps({
+    emit({
         "benchmark": "loss_scale_step", "hidden": args.hidden, "batch": args.batch,
         "mirrored": args.mirrored,
-        "machine": {"cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "ms_per_step": {k: round(s * 1e3, 4) for k, s in medians.items()},
         "ratios": {"mso_vs_keras_loss_scale": round(ratio, 4)},
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

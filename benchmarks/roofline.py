@@ -20,14 +20,12 @@ For each path it prints the bytes it must move per step (the minimum for its
 math: each array read or written once per pass the math needs) and the flops,
 the achieved rate, and the fraction of the roofline limit,
 ``max(bytes / bandwidth, flops / peak) / time`` (1.0 = at the limit). The last
-line printed is JSON.
+line printed is JSON (``--out FILE`` also writes it to FILE, replacing the file).
 
     python benchmarks/roofline.py [--params 10000000] [--variables 10] [--rounds 11]
 """
 import argparse
-import json
 import os
-import platform
 import statistics
 import time
 
@@ -41,7 +39,7 @@ import tf_msopt as mso  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # one traced step per case: retracing notes are expected
 from tf_msopt.thor import blocks  # noqa: E402
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 F32 = 4  # bytes
 
@@ -132,6 +130,7 @@ def main():
     parser.add_argument("--blocks", type=int, default=64, help="128x128 blocks to invert")
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--calls-per-round", type=int, default=3)
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
 
     n = args.params
@@ -201,17 +200,16 @@ def main():
     lars = results["lars_sgd_momentum"]["fraction_of_limit"]
     print(f"target lars_sgd_momentum >= 70% of the bandwidth limit: {lars:.0%} "
           f"{'meets' if lars >= 0.7 else 'MISSES'}")
-    print(json.dumps({
+    emit({
         "benchmark": "roofline", "params": n, "variables": args.variables,
-        "machine": {"cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "custom_ops": mso.ops.custom_ops_available(),
         "bandwidth_gb_per_s": round(bandwidth / 1e9, 2),
         "triad_gb_per_s": {"large": round(bandwidth_large / 1e9, 2),
                            "variables": round(bandwidth_variables / 1e9, 2)},
         "numpy_triad_gb_per_s": round(numpy_bandwidth / 1e9, 2),
         "matmul_gflop_per_s": round(peak / 1e9, 2), "paths": results,
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

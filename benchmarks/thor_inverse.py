@@ -4,15 +4,13 @@ Each case inverts a batch of damped SPD blocks ``X X^T / (2n) + 0.1 I`` in a
 ``tf.function``: the op (as ``mso.ops.damped_inverse_with_status`` calls it),
 ``tf.linalg.inv``, and ``tf.linalg.cholesky`` + ``cholesky_solve``. Cases run
 interleaved, round after round (medians), and the op is reported as the speed-up
-over the best TF route (target >= 1.5x). The last line printed is JSON.
+over the best TF route (target >= 1.5x). The last line printed is JSON (``--out FILE`` also writes it to FILE, replacing the file).
 
     python benchmarks/thor_inverse.py [--batches 16 64] [--size 128] [--dtype float32]
         [--library path/to/_msopt_ops.so]
 """
 import argparse
-import json
 import os
-import platform
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -21,7 +19,7 @@ import tensorflow as tf  # noqa: E402
 
 from tf_msopt.ops import _loader  # noqa: E402
 from tf_msopt.ops.inverse import damped_inverse_with_status, inverse_backend  # noqa: E402
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 DAMPING = 0.1
 TARGET = 1.5
@@ -56,6 +54,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls-per-round", type=int, default=5)
     parser.add_argument("--library", help="op library to load instead of the package's")
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
     if args.library:
         _loader.LIBRARY_PATH = os.path.abspath(args.library)
@@ -80,12 +79,11 @@ def main():
               f"{verdict}")
         results[str(batch)] = {"ms": {k: round(s * 1e3, 3) for k, s in medians.items()},
                                "speedup_vs_best_tf": round(speedup, 3)}
-    print(json.dumps({
+    emit({
         "benchmark": "thor_inverse", "size": args.size, "dtype": args.dtype, "backend": backend,
-        "machine": {"cpus": os.cpu_count(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "batches": results,
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,13 @@ vs ``numpy.linalg.inv`` of the damped blocks <= 1e-5 (float32) / 1e-12 (float64)
 and that NaN / indefinite blocks come back with ok=False and zeros. Then times
 the kernel on 16 and 64 blocks of 128x128 against ``cupy.linalg.inv`` and, when
 torch is installed, ``torch.linalg.cholesky`` + ``torch.cholesky_inverse``
-(both cuSOLVER), with CUDA events. The last line printed is JSON; the exit
+(both cuSOLVER), with CUDA events. The last line printed is JSON (``--out FILE`` also writes it to FILE, replacing the file); the exit
 status is 1 if a check failed.
 
     python benchmarks/thor_inverse_cuda.py [--size 128] [--batches 16 64] [--repeats 50]
 """
 import argparse
 import ctypes
-import json
 import os
 import shutil
 import subprocess
@@ -25,6 +24,8 @@ import sys
 import tempfile
 
 import numpy as np
+
+from timing import emit
 
 try:
     import cupy as cp
@@ -176,6 +177,7 @@ def main():
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--nvrtc", action="store_true", help="use CuPy RawModule even with nvcc")
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
 
     device = cp.cuda.Device()
@@ -202,9 +204,9 @@ def main():
                                  "speedup_vs_best_library": round(best / medians["kernel"], 3)}
     finally:
         kernel.close()
-    print(json.dumps({"benchmark": "thor_inverse_cuda", "gpu": name, "arch": f"sm_{arch}",
-                      "kernel_build": kernel.name, "size": args.size, "checks_passed": not failures,
-                      "max_rel_error": errors, "batches": speed}))
+    emit({"benchmark": "thor_inverse_cuda", "gpu": name, "arch": f"sm_{arch}",
+          "kernel_build": kernel.name, "size": args.size, "checks_passed": not failures,
+          "max_rel_error": errors, "batches": speed}, args.out)
     sys.exit(1 if failures else 0)
 
 

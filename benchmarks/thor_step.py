@@ -24,15 +24,14 @@ Models (``--model``, ``all`` runs every one; the defaults are the targets'):
 step alone, the gradient pass with and without the statistics capture, and the
 inversion of every layer's factors (the curvature blocks' ``invert`` and the bare
 ``damped_inverse_with_status`` op on the same block shapes). The last line
-printed is JSON.
+printed is JSON (``--out FILE`` also
+writes it to FILE, replacing the file).
 
     python benchmarks/thor_step.py [--model mlp|digits-mlp|resnet50|transformer|all]
                                    [--batch B] [--frequency F] [--rounds R] [--split]
 """
 import argparse
-import json
 import os
-import platform
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -41,7 +40,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 # Per model: defaults, and the target (which case, at most how many times SGD-momentum).
 MODELS = {
@@ -295,15 +294,15 @@ def main():
                         help="frequency-long runs per round (default: the model's)")
     parser.add_argument("--split", action="store_true",
                         help="also time the parts of a THOR step")
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
 
     names = list(MODELS) if args.model == "all" else [args.model]
     results = {name: run_model(name, args) for name in names}
-    print(json.dumps({
-        "benchmark": "thor_step", "machine": platform.machine(), "cpus": os.cpu_count(),
-        "tensorflow": tf.__version__, "keras": keras.__version__,
+    emit({
+        "benchmark": "thor_step", "machine": machine(),
         "inverse_backend": mso.ops.inverse.inverse_backend(), "models": results,
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,14 @@
 """Interleaved timing shared by the benchmarks: every case in one process, round after round."""
+import json
+import os
+import platform
 import statistics
 import time
 
 
 def balanced_orders(count):
     """Orders of ``count`` cases in which each case runs right after every other one equally
-    often (a Williams design): ``count`` orders for an even count, twice that for an odd one.
+    often (a Williams Latin square): ``count`` orders for an even count, twice that for an odd one.
     """
     first = [0]
     low, high = 1, count - 1
@@ -62,3 +65,42 @@ def time_cases(steps, rounds, calls_per_round, warmup=3, idle=0.0):
                 seconds = time.perf_counter() - start
             samples[name].append(seconds / calls_per_round)
     return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def machine():
+    """The machine a result comes from: CPU model (with its widest vector extension), core
+    count, and the TensorFlow and Keras versions, as the results files name it."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                if model and flags:
+                    break
+    except OSError:
+        pass
+    vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"))
+                   if flag in flags), None)
+    found = {"cpu": f"{model}, {vector}" if vector else model, "cpus": os.cpu_count()}
+    for module in ("tensorflow", "keras"):
+        try:
+            found[module] = __import__(module).__version__
+        except ImportError:
+            pass
+    return found
+
+
+def emit(payload, out=None):
+    """Prints ``payload`` as the last line of output (JSON); with ``out``, also writes it to
+    that file, replacing it (benchmarks/render.py renders the docs' tables from such files)."""
+    print(json.dumps(payload))
+    if out:
+        os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+        with open(out + ".tmp", "w") as f:
+            json.dump(payload, f, indent=1)
+            f.write("\n")
+        os.replace(out + ".tmp", out)

@@ -4,14 +4,12 @@ Each case is a ``tf.function`` that applies one update to all variables. Cases
 run interleaved, round after round, so machine noise hits them alike; the
 median per-step time of each is reported, with ratios against the baselines
 (Keras ``SGD(momentum=0.9)`` and TensorFlow's fused ``ResourceApplyMomentum``).
-The last line printed is JSON.
+The last line printed is JSON (``--out FILE`` also writes it to FILE, replacing the file).
 
     python benchmarks/update_step.py [--params 10000000] [--variables 10] [--rounds 15]
 """
 import argparse
-import json
 import os
-import platform
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -20,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from timing import time_cases  # noqa: E402
+from timing import emit, machine, time_cases  # noqa: E402
 
 
 def make_problem(params, variables):
@@ -98,6 +96,7 @@ def main():
     parser.add_argument("--variables", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls-per-round", type=int, default=3)
+    parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
 
     values, grads = make_problem(args.params, args.variables)
@@ -117,13 +116,13 @@ def main():
     for name, (ratio, target) in targets.items():
         verdict = "meets" if ratio <= target else "MISSES"
         print(f"target {name}: {ratio:.2f}x (target <= {target}x) {verdict}")
-    print(json.dumps({
+    emit({
         "benchmark": "update_step", "params": args.params, "variables": args.variables,
-        "machine": {"cpus": os.cpu_count(), "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "custom_ops": mso.ops.custom_ops_available(),
         "ms_per_step": {k: round(s * 1e3, 3) for k, s in medians.items()},
         "ratios": {k: round(r, 3) for k, (r, _) in targets.items()},
-    }))
+    }, args.out)
 
 
 if __name__ == "__main__":

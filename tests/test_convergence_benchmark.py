@@ -1,7 +1,6 @@
 """The convergence benchmark's scoring: first epoch at the target, medians over seeds, ratios."""
 import math
 import os
-import re
 
 from helpers import REPO_ROOT, benchmark_module
 
@@ -78,23 +77,13 @@ def test_a_widened_grid_is_the_union_of_its_products(monkeypatch):
                       "lr=0.03 damping=0.3"]
 
 
-def _expand_braces(word):
-    """Shell brace expansion of ``word`` (``a_{b,c}_{1,2}.json``), as bash expands it."""
-    match = re.search(r"\{([^{}]*)\}", word)
-    if not match:
-        return [word]
-    return [expanded for choice in match.group(1).split(",")
-            for expanded in _expand_braces(word[:match.start()] + choice + word[match.end():])]
-
-
 def _documented_results():
-    """The results docs/performance.md tabulates: the files of its ``--from`` command."""
-    with open(os.path.join(REPO_ROOT, "docs", "performance.md")) as f:
-        text = f.read()
-    command = re.search(r"python benchmarks/convergence.py --from (.*?)--plot", text, re.S)
-    words = command.group(1).replace("\\\n", " ").split()
-    return convergence.load_results([os.path.join(REPO_ROOT, path)
-                                     for word in words for path in _expand_braces(word)])
+    """The results docs/performance.md tabulates: one file per task, every task."""
+    paths = [os.path.join(REPO_ROOT, "benchmarks", "results", f"convergence_{task}.json")
+             for task in convergence.TASKS]
+    tasks = convergence.load_results(paths)
+    assert set(tasks) == set(convergence.TASKS)
+    return tasks
 
 
 def test_documented_results_are_the_declared_grids_with_best_settings_inside():
@@ -172,7 +161,7 @@ def test_report_says_whether_half_the_epochs_is_within_reach_of_the_grid(capsys)
 
 def test_retime_interleaves_the_best_settings_in_balanced_orders(monkeypatch, tmp_path):
     """Each round runs every optimizer's best setting (one that reaches the target) once, in
-    the next order of the balanced design; the re-timed ratio uses the rounds' medians."""
+    the next of the balanced orders; the re-timed ratio uses the rounds' medians."""
     inf = math.inf
     results = {
         "THOR": {"good": {"epochs": [2, 3, 3], "seconds": [1.0, 1.1, 1.2]},

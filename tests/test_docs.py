@@ -49,7 +49,7 @@ def test_every_page_is_in_the_navigation():
         assert os.path.basename(page) in nav, page
 
 
-# Runs each page's blocks in a namespace, a temporary directory and a Keras session of its
+# Runs each page's blocks in a namespace, a temporary directory and Keras state of its
 # own, all pages in one process (one TensorFlow start); prints each failing page's traceback.
 RUN_PAGES = """
 import json, os, sys, tempfile, traceback

@@ -1,4 +1,4 @@
-"""THOR against the NumPy reference of DESIGN §4.5, golden values of the reference §2.11."""
+"""THOR against its NumPy reference (tests/thor_reference.py) and MindSpore's golden values."""
 import keras
 import numpy as np
 import pytest
@@ -246,7 +246,7 @@ def test_inverse_backends_agree(monkeypatch):
         np.testing.assert_allclose(with_ops[key], pure[key], rtol=1e-5, atol=1e-6, err_msg=key)
 
 
-# -- golden values, reference §2.11 and §2.7 -------------------------------------------------
+# -- golden values from MindSpore's THOR ---------------------------------------------------------
 
 def test_t4_layer_norm_rule():
     """T4: g / (g*g/32 + sqrt(0.01)) with the batch_size argument before any batch is seen."""

@@ -1,0 +1,423 @@
+"""Renders the benchmark tables of docs/performance.md and docs/thor.md from benchmarks/results/.
+
+Each table sits between two marker comments in a page::
+
+    <!-- render:NAME -->
+    ...the table, written by this script...
+    <!-- /render:NAME -->
+
+and ``TABLES`` says which results files NAME is rendered from. Every file in
+``benchmarks/results/`` is the ``--out`` (or ``--save``) file of one benchmark run; re-running
+that benchmark with ``--out`` replaces it, and this script then rewrites the tables.
+
+    python benchmarks/render.py           # rewrite the tables in place
+    python benchmarks/render.py --check   # exit 1, naming the tables, if a page differs
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+from statistics import median
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+PAGES = [os.path.join(ROOT, "docs", "performance.md"), os.path.join(ROOT, "docs", "thor.md")]
+TASKS = ("mlp", "cnn", "mnist1d", "transformer")
+# The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
+# THOR_CONFIGS): the first THOR row of each task in the re-timed table.
+RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
+               "transformer": "THOR-expand"}
+MARKER = re.compile(r"(<!-- render:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)",
+                    re.S)
+
+
+def _convergence():
+    """benchmarks/convergence.py (imports TensorFlow: loaded only for its tables)."""
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
+    import convergence
+    return convergence
+
+
+def load(name, results=RESULTS):
+    with open(os.path.join(results, name)) as f:
+        return json.load(f)
+
+
+def machine_line(*payloads, files):
+    """Where the figures come from: the files and the machine they name."""
+    machines = []
+    for payload in payloads:
+        m = payload.get("machine") or {}
+        text = (f"{m.get('cpus')}-core {m.get('cpu')}, TensorFlow {m.get('tensorflow')}"
+                if isinstance(m, dict) else str(m))
+        if text not in machines:
+            machines.append(text)
+    names = ", ".join(f"`benchmarks/results/{f}`" for f in files)
+    return f"\nFrom {names}; {'; '.join(machines)}.\n"
+
+
+def table(header, rows):
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _x(ratio):
+    return f"{ratio:.2f}x"
+
+
+# --- speed benchmarks
+
+ROOFLINE_NAMES = {
+    "addsign": "AddSign (one-pass kernel)",
+    "powersign": "PowerSign (one-pass kernel)",
+    "lars_sgd_momentum": "LARS(SGD momentum), two-pass kernel",
+    "keras_sgd_momentum": "Keras SGD(momentum=0.9), for comparison",
+    "adam_offload_host_update": "AdamOffload host update (in place)",
+    "thor_stale_precondition": "THOR stale-step preconditioning `A_inv g G_inv` "
+                               "(784-512-512-10 MLP, blocks of 128)",
+    "thor_inverse": "THOR block inverse, 64 blocks of 128, custom op",
+}
+
+
+def render_roofline(results):
+    r = load("roofline.json", results)
+    rows = []
+    for key, p in r["paths"].items():
+        size = (f"{p['bytes'] / 1e6:.0f} MB" if p["bound"] == "memory"
+                else f"{p['flops'] / 1e6:.0f} MFLOP")
+        achieved = (f"{p['gb_per_s']:.1f} GB/s" if p["bound"] == "memory"
+                    else f"{p['gflop_per_s']:.1f} GFLOP/s")
+        rows.append([ROOFLINE_NAMES.get(key, key), size, f"{p['ms']:.2f}", achieved, p["bound"],
+                     f"{p['fraction_of_limit']:.0%}"])
+    return (f"Bandwidth {r['bandwidth_gb_per_s']:.1f} GB/s, float32 matmul "
+            f"{r['matmul_gflop_per_s']:.0f} GFLOP/s; {r['params'] / 1e6:g}M float32 parameters "
+            f"in {r['variables']} variables.\n\n"
+            + table(["path", "MB (or MFLOP) per step", "ms/step", "achieved", "bound",
+                     "fraction of the limit"], rows)
+            + machine_line(r, files=["roofline.json"]))
+
+
+UPDATE_NAMES = {
+    "keras_sgd_momentum": "Keras SGD(momentum=0.9)",
+    "raw_apply_momentum": "raw `ResourceApplyMomentum`",
+    "keras_adam": "Keras Adam",
+    "addsign": "AddSign (one-pass kernel)",
+    "addsign_tf_kernel": "AddSign, TensorFlow's `ResourceApplyAddSign`",
+    "addsign_jit": "AddSign, `jit_compile=True`",
+    "powersign": "PowerSign (one-pass kernel)",
+    "powersign_jit": "PowerSign, `jit_compile=True`",
+    "lars_sgd_momentum": "LARS(SGD momentum), two-pass kernel (default)",
+    "lars_sgd_momentum_pure_tf": "LARS(SGD momentum), pure-TF path "
+                                 "(`TF_MSOPT_DISABLE_CUSTOM_OPS=1`)",
+    "lars_sgd_momentum_jit": "LARS(SGD momentum), `jit_compile=True`",
+    "lars_adam": "LARS(Adam)",
+}
+
+
+def render_update_step(results):
+    r = load("update_step.json", results)
+    ms = r["ms_per_step"]
+    sgd, raw = ms["keras_sgd_momentum"], ms["raw_apply_momentum"]
+    rows = [[UPDATE_NAMES.get(k, k), f"{v:.2f}", _x(v / sgd), _x(v / raw)] for k, v in ms.items()]
+    return (table(["case", "ms/step", "vs Keras SGD(momentum=0.9)", "vs `ResourceApplyMomentum`"],
+                  rows) + machine_line(r, files=["update_step.json"]))
+
+
+ADAM_NAMES = {
+    "adam_offload": "AdamOffload (variables on the host, one in-place pass, 28 bytes/param)",
+    "adam_offload_host_kernel": "AdamOffload host kernel alone (m, v, delta: 24 bytes/param)",
+    "adam_offload_delta_path": "AdamOffload, offload path (state on a second logical CPU)",
+    "adam_offload_pure_tf": "AdamOffload pure-TF path",
+    "keras_adam": "Keras Adam",
+    "raw_apply_adam": "`ResourceApplyAdam`",
+    "torch_adam_fused": "`torch.optim.Adam(fused=True)`",
+    "deepspeed_cpu_adam": "DeepSpeed `DeepSpeedCPUAdam`",
+}
+
+
+def _adam_columns(files, results):
+    payloads = [load(f, results) for f in files]
+    columns = []
+    for payload in payloads:
+        for threads, run in payload["runs"].items():
+            label = "2 threads" if threads == "default" else f"{threads} thread"
+            columns.append((f"{run['variables']} variables, {label}", run))
+    cases = [case for case in ADAM_NAMES if any(case in run["ms_per_step"] for _, run in columns)]
+    rows = [[ADAM_NAMES[case]] + [f"{run['ms_per_step'][case]:.2f}"
+                                  if case in run["ms_per_step"] else "" for _, run in columns]
+            for case in cases]
+    rows.append(["AdamOffload throughput vs DeepSpeed"] + [
+        _x(run["ms_per_step"]["deepspeed_cpu_adam"] / run["ms_per_step"]["adam_offload"])
+        for _, run in columns])
+    notes = payloads[0]["runs"]["default"].get("notes", {})
+    versions = ", ".join(f"{k} {v}" for k, v in notes.items())
+    return (table(["case (ms/step)"] + [label for label, _ in columns], rows)
+            + machine_line(*payloads, files=files).rstrip("\n").rstrip(".")
+            + (f"; {versions}.\n" if versions else ".\n"))
+
+
+def render_adam_offload_step(results):
+    return _adam_columns(["adam_offload_step.json", "adam_offload_step_200.json"], results)
+
+
+def render_adam_offload_step_idle(results):
+    return _adam_columns(["adam_offload_step_idle.json"], results)
+
+
+THOR_MODELS = {
+    "mlp": "MLP 784-512-512-10",
+    "resnet50": "`keras.applications.ResNet50(weights=None)`, 64x64x3",
+    "transformer": "transformer, 2 blocks, MultiHeadAttention 4 heads, width 128, sequence 64",
+    "digits-mlp": "digits MLP 64-64-64-10 (`tf-msopt compare`)",
+}
+
+
+def render_thor_step(results):
+    r = load("thor_step.json", results)
+    rows = []
+    for name, m in r["models"].items():
+        frequency = m["args"]["frequency"]
+        ratio, target = m["ratio_vs_sgd"], m["target"]
+        which = "average" if target["case"].startswith("thor F=") else "stale"
+        rows.append([THOR_MODELS.get(name, name), m["args"]["batch"], frequency,
+                     f"{m['ms_per_step']['sgd momentum']:.3g}",
+                     f"{ratio[f'thor F={frequency}']:.3f}x", f"{ratio['thor stale']:.3f}x",
+                     f"{which} <= {target['ratio_vs_sgd']}x", "yes" if target["met"] else "**no**"])
+    return (table(["model", "batch", "F", "SGD momentum ms/step", "THOR average / SGD",
+                   "THOR stale / SGD", "target", "met?"], rows)
+            + machine_line(r, files=["thor_step.json"]))
+
+
+def render_thor_step_split(results):
+    r = load("thor_step_resnet50_split.json", results)
+    (name, m), = r["models"].items()
+    split = m["split_ms"]
+    return (f"{THOR_MODELS.get(name, name)}, batch {m['args']['batch']}, "
+            f"F={m['args']['frequency']}, ms:\n\n"
+            + table(list(split), [[f"{ms:.1f}" for ms in split.values()]])
+            + machine_line(r, files=["thor_step_resnet50_split.json"]))
+
+
+def render_thor_inverse(results):
+    files = ["thor_inverse.json", "thor_inverse_float64.json"]
+    payloads = [load(f, results) for f in files]
+    rows = []
+    for p in payloads:
+        for blocks, b in p["batches"].items():
+            ms = b["ms"]
+            rows.append([f"{p['dtype']}, {blocks}", f"{ms['op']:.2f}",
+                         f"{ms['tf_cholesky_solve']:.2f}", f"{ms['tf_inv']:.2f}",
+                         f"{b['speedup_vs_best_tf']:.1f}x"])
+    return (table(["dtype, blocks", "op ms", "`cholesky` + `cholesky_solve` ms",
+                   "`tf.linalg.inv` ms", "speed-up"], rows)
+            + machine_line(*payloads, files=files))
+
+
+def render_conditional_cost(results):
+    r = load("conditional_cost.json", results)
+    rows = []
+    for case, us in r["us_per_step"].items():
+        count = case.split()[0]
+        per = r["us_per_conditional"].get(count)
+        rows.append([case, f"{us:.0f}", f"{r['ratio'][case]:.3f}x",
+                     "" if per is None else f"{per:.1f}"])
+    return (table(["step with", "µs/step", "ratio", "µs per conditional"], rows)
+            + machine_line(r, files=["conditional_cost.json"]))
+
+
+def render_loss_scale_step(results):
+    r = load("loss_scale_step.json", results)
+    rows = [[f"MLP {'with' if r['mirrored'] else 'without'} MirroredStrategy, hidden "
+             f"{r['hidden']}, batch {r['batch']}",
+             f"{r['ratios']['mso_vs_keras_loss_scale']:.3f}x", "<= 1.02x"]]
+    return (table(["case", "`mso.LossScaleOptimizer` / Keras' `LossScaleOptimizer`", "target"],
+                  rows) + machine_line(r, files=["loss_scale_step.json"]))
+
+
+# --- convergence
+
+def _tasks(results, tasks=TASKS):
+    convergence = _convergence()
+    return convergence, {task: convergence.load_results(
+        [os.path.join(results, f"convergence_{task}.json")])[task] for task in tasks}
+
+
+def _epochs(values, show):
+    return ", ".join(show(e) for e in values)
+
+
+def render_convergence_grids(results):
+    convergence, tasks = _tasks(results)
+    rows = []
+    for task, info in tasks.items():
+        runs = info["runs"]
+        order = convergence._ordered(runs)
+        best = convergence.best_settings({name: runs[name] for name in order})
+        for i, name in enumerate(order):
+            label, epochs, _ = best[name]
+            edge = convergence.edge_of_grid(runs[name], label) if math.isfinite(epochs) else []
+            rows.append([f"{convergence.TASKS[task]['title']}, {info['target']:g}" if i == 0
+                         else "", name, label,
+                         _epochs(runs[name][label]["epochs"], convergence._show),
+                         convergence._show(epochs),
+                         f"{len(runs[name])}, {'edge: ' + ', '.join(edge) if edge else 'inside'}"])
+    return (table(["task, target", "optimizer", "best setting", "epochs per seed",
+                   "median epochs", "settings (best setting)"], rows)
+            + "\nFrom " + ", ".join(f"`benchmarks/results/convergence_{task}.json`"
+                                   for task in tasks) + ".\n")
+
+
+def render_convergence_retimed(results):
+    convergence, tasks = _tasks(results)
+    rows = []
+    for task, info in tasks.items():
+        retimed = info["retimed"]
+        seconds = convergence.retimed_seconds(retimed)
+        epochs = {name: median(r["epochs"][0]) for name, r in retimed.items()}
+        first_order = [n for n in convergence.FIRST_ORDER if n in retimed]
+        by_seconds = min(first_order, key=lambda n: seconds[n][1])
+        fewest = min(epochs[n] for n in first_order)
+        thor = sorted((n for n in retimed if n.startswith("THOR")),
+                      key=lambda n: n != RECOMMENDED[task])
+        rounds = len(next(iter(retimed.values()))["seconds"])
+
+        def cell(name):
+            return (f"{seconds[name][1]:.2f} ({convergence._show(epochs[name])})"
+                    if name in retimed else "")
+
+        for i, name in enumerate(thor):
+            per_round = [a / b for a, b in zip(seconds[name][0], seconds[by_seconds][0])]
+            rows.append([
+                f"{convergence.TASKS[task]['title']}, {rounds} rounds" if i == 0 else "",
+                name, f"{convergence._show(epochs[name])} "
+                      f"({_epochs(retimed[name]['epochs'][0], convergence._show)})",
+                f"{seconds[name][1]:.2f}",
+                *([cell("SGD-momentum"), cell("Adam"), cell("kfac-jax")] if i == 0 else
+                  ["", "", ""]),
+                f"{_x(epochs[name] / fewest)}, {_x(seconds[name][1] / seconds[by_seconds][1])} "
+                f"({min(per_round):.2f}-{max(per_round):.2f}x)"])
+    return (table(["task", "THOR configuration", "epochs (seeds)", "THOR s",
+                   "SGD-momentum s (epochs)", "Adam s (epochs)", "kfac-jax s (epochs)",
+                   "THOR vs best first-order: epochs, seconds (per round)"], rows)
+            + machine_line(*tasks.values(),
+                           files=[f"convergence_{task}.json" for task in tasks]))
+
+
+def render_convergence_half(results):
+    convergence, tasks = _tasks(results)
+    rows = []
+    for task, info in tasks.items():
+        runs = info["runs"]
+        best = convergence.best_settings(runs)
+        within = convergence.epochs_for_half(best)
+        cells = []
+        for name in (RECOMMENDED[task], "kfac-jax", "Adam"):
+            values = convergence.best_accuracy_by_epoch(runs[name], within)
+            verdict = " (within reach)" if median(values) >= info["target"] else ""
+            prefix = f"{name} " if name == RECOMMENDED[task] else ""
+            cells.append(prefix + ", ".join(f"{v:.3f}" for v in values) + verdict)
+        rows.append([convergence.TASKS[task]["title"],
+                     f"{info['target']:g} in {within} epochs", *cells])
+    return table(["task", "needed", "THOR, recommended configuration", "kfac-jax", "Adam"], rows)
+
+
+def _options(config):
+    if not config:
+        return "MindSpore's update (defaults)"
+    return "`" + ", ".join(f"{k}={json.dumps(v) if isinstance(v, str) else v}"
+                           for k, v in config.items()) + "`"
+
+
+def render_thor_configurations(results):
+    convergence, tasks = _tasks(results)
+    rows = []
+    for task, info in tasks.items():
+        name = RECOMMENDED[task]
+        runs = info["runs"][name]
+        label, epochs, _ = convergence.best_settings({name: runs})[name]
+        rows.append([convergence.TASKS[task]["title"], _options(convergence.THOR_CONFIGS[name]),
+                     label.replace(" ", ", "), f"{convergence._show(epochs)} "
+                     f"({_epochs(runs[label]['epochs'], convergence._show)})"])
+    return table(["task", "configuration", "best setting", "median epochs (per seed)"], rows)
+
+
+TABLES = {  # name: (renderer, the results files it reads)
+    "roofline": (render_roofline, ["roofline.json"]),
+    "update_step": (render_update_step, ["update_step.json"]),
+    "adam_offload_step": (render_adam_offload_step,
+                          ["adam_offload_step.json", "adam_offload_step_200.json"]),
+    "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
+    "thor_step": (render_thor_step, ["thor_step.json"]),
+    "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
+    "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
+    "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
+    "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
+    "convergence_grids": (render_convergence_grids,
+                          [f"convergence_{task}.json" for task in TASKS]),
+    "convergence_retimed": (render_convergence_retimed,
+                            [f"convergence_{task}.json" for task in TASKS]),
+    "convergence_half": (render_convergence_half, [f"convergence_{task}.json" for task in TASKS]),
+    "thor_configurations": (render_thor_configurations,
+                            [f"convergence_{task}.json" for task in TASKS]),
+}
+SOURCES = sorted({f for _, files in TABLES.values() for f in files})
+
+
+def render_page(text, results=RESULTS, cache=None):
+    """``text`` with every marked table rendered again; unknown names raise KeyError."""
+    cache = {} if cache is None else cache
+
+    def replace(match):
+        name = match.group("name")
+        if name not in cache:
+            cache[name] = TABLES[name][0](results)
+        return match.group(1) + cache[name] + match.group(4)
+
+    return MARKER.sub(replace, text)
+
+
+def differences(results=RESULTS, pages=PAGES):
+    """{page: (current text, rendered text, [names of the tables that differ])}; also
+    raises when a table of ``TABLES`` is used on no page."""
+    cache, found, used = {}, {}, set()
+    for page in pages:
+        with open(page) as f:
+            text = f.read()
+        rendered = render_page(text, results, cache)
+        old = {m.group("name"): m.group("body") for m in MARKER.finditer(text)}
+        new = {m.group("name"): m.group("body") for m in MARKER.finditer(rendered)}
+        used.update(old)
+        found[page] = (text, rendered, sorted(n for n in old if old[n] != new[n]))
+    unused = set(TABLES) - used
+    if unused:
+        raise ValueError(f"tables on no page: {sorted(unused)}")
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit 1 if a page's tables differ from the results")
+    args = parser.parse_args(argv)
+    stale = False
+    for page, (text, rendered, names) in differences().items():
+        if not names:
+            continue
+        stale = True
+        where = os.path.relpath(page, ROOT)
+        if args.check:
+            print(f"{where}: out of date with benchmarks/results/: {', '.join(names)}")
+        else:
+            with open(page, "w") as f:
+                f.write(rendered)
+            print(f"{where}: rendered {', '.join(names)}")
+    return 1 if stale and args.check else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

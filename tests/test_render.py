@@ -1,0 +1,78 @@
+"""The benchmark tables of the docs are those benchmarks/render.py renders from benchmarks/results/."""
+import json
+import os
+import shutil
+
+import pytest
+
+from helpers import REPO_ROOT, benchmark_module
+
+render = benchmark_module("render")
+timing = benchmark_module("timing")
+RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
+
+
+def test_the_docs_tables_match_the_results_files():
+    stale = {os.path.relpath(page, REPO_ROOT): names
+             for page, (_, _, names) in render.differences().items() if names}
+    assert not stale, f"run `python benchmarks/render.py`: {stale}"
+    assert render.main(["--check"]) == 0
+
+
+def test_every_results_file_is_read_by_a_table_and_every_table_file_exists():
+    assert sorted(os.listdir(RESULTS)) == render.SOURCES
+
+
+def test_every_table_is_on_a_page_between_its_markers():
+    text = "".join(open(page).read() for page in render.PAGES)
+    for name in render.TABLES:
+        assert f"<!-- render:{name} -->" in text and f"<!-- /render:{name} -->" in text, name
+
+
+@pytest.mark.parametrize("name, change", [
+    ("thor_step.json", lambda r: r["models"]["mlp"]["ratio_vs_sgd"].update({"thor stale": 1.3})),
+    ("roofline.json", lambda r: r["paths"]["addsign"].update(ms=7.5)),
+    ("convergence_mlp.json", lambda r: r["tasks"]["mlp"]["runs"]["Adam"]["lr=0.005"].update(
+        epochs=[4, 4, None])),
+])
+def test_a_changed_figure_in_a_results_file_shows_as_a_difference(tmp_path, name, change):
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    with open(results / name) as f:
+        payload = json.load(f)
+    change(payload)
+    with open(results / name, "w") as f:
+        json.dump(payload, f)
+    stale = [names for _, _, names in render.differences(str(results)).values() if names]
+    assert stale, name
+
+
+def test_rendering_rewrites_only_the_marked_blocks():
+    text = "before\n<!-- render:loss_scale_step -->\nold table\n<!-- /render:loss_scale_step -->\nafter\n"
+    rendered = render.render_page(text)
+    assert rendered.startswith("before\n<!-- render:loss_scale_step -->\n| case |")
+    assert rendered.endswith("<!-- /render:loss_scale_step -->\nafter\n")
+    assert "old table" not in rendered
+    assert render.render_page(rendered) == rendered
+    with pytest.raises(KeyError):
+        render.render_page("<!-- render:nothing -->\n<!-- /render:nothing -->")
+
+
+def test_out_replaces_the_file_and_names_the_machine(tmp_path, capsys):
+    path = str(tmp_path / "sub" / "result.json")
+    timing.emit({"benchmark": "x", "value": 1, "machine": timing.machine()}, path)
+    timing.emit({"benchmark": "x", "value": 2}, path)
+    with open(path) as f:
+        assert json.load(f) == {"benchmark": "x", "value": 2}
+    assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"benchmark": "x", "value": 2}
+    machine = timing.machine()
+    assert machine["cpus"] == os.cpu_count() and machine["cpu"]
+
+
+def test_every_benchmark_offers_out():
+    folder = os.path.join(REPO_ROOT, "benchmarks")
+    scripts = [name for name in os.listdir(folder) if name.endswith(".py")
+               and name not in ("timing.py", "render.py", "kfac_jax_baseline.py")]
+    for name in scripts:
+        with open(os.path.join(folder, name)) as f:
+            assert '"--out"' in f.read(), name

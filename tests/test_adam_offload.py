@@ -60,7 +60,7 @@ def numpy_adam_offload(weights, grads_per_step, lr=1e-3, beta1=0.9, beta2=0.999,
     return history
 
 
-# -- MindSpore golden values (reference §4) ---------------------------------------------------
+# -- MindSpore golden values (nn.AdamOffload and its op, MindSpore 2.10 on CPU) --------------
 
 def test_a1_adam_no_update_param_example(backend):
     m = tf.Variable(np.array([[0.1] * 3, [0.2] * 3], np.float32))

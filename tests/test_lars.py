@@ -41,7 +41,7 @@ class GenericSGD(keras.optimizers.SGD):
     """Keras' SGD step, run through LARS' generic path (LARS fuses only SGD itself)."""
 
 
-# -- MindSpore golden values (reference §3) ---------------------------------------------------
+# -- MindSpore golden values (ops.LARSUpdate and nn.LARS, MindSpore 2.10 on CPU) -------------
 
 @pytest.mark.parametrize("weight_decay, use_clip, lr, expected", [
     # L1, the ops.LARSUpdate docstring
@@ -67,7 +67,7 @@ def test_l1_l2_golden(weight_decay, use_clip, lr, expected, inner_class):
     np.testing.assert_allclose(lars_grad, want, rtol=2e-6)
 
 
-# Reference §3 L3: MindSpore nn.LARS around Momentum(lr=0.1, momentum=0.9,
+# L3: MindSpore nn.LARS around Momentum(lr=0.1, momentum=0.9,
 # weight_decay=0.01, loss_scale=4), fc.weight / fc.bias / bn.gamma, two steps.
 L3_TABLE = {
     False: [([0.4999474, 0.799947, 0.19993478, 0.59997326, 0.39994752, 0.19996077],

@@ -1,6 +1,6 @@
 """Loss scaling: update cells, managers, argument checks, the optimizer's update rule and bounds.
 
-Golden numbers are MindSpore 2.10's (reference/mindspore_spec.md §1.1-§1.3).
+Golden numbers are MindSpore 2.10's (its update cells and managers, run on CPU).
 """
 import json
 import math

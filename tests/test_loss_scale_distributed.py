@@ -2,7 +2,7 @@
 local worker processes): one overflow verdict for all replicas.
 
 Keras 3.15's own LossScaleOptimizer follows replica 0's verdict, so an inf on
-replica 1 reaches the weights (reference/keras_api.md §2.3).
+replica 1 reaches the weights.
 """
 import math
 

@@ -1,7 +1,7 @@
 """Loss scaling in training: MindSpore's train-step table, custom loops, mixed_float16, logs.
 
 The golden run is MindSpore 2.10's ``TrainOneStepWithLossScaleCell``
-(reference/mindspore_spec.md §1.4): ``y = x @ W``, mean-squared error, SGD(0.1),
+on CPU: ``y = x @ W``, mean-squared error, SGD(0.1),
 ``DynamicLossScaleUpdateCell(2**20, 2, 2)``; step 2 overflows.
 """
 import glob

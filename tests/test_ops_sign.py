@@ -9,7 +9,7 @@ import tf_msopt as mso
 from tf_msopt.ops import _loader
 from tf_msopt.ops.sign import _custom_kernel, update_sign_variables
 
-# reference/mindspore_spec.md §5, S1 (the ApplyAddSign docstring example).
+# MindSpore's S1 (the ApplyAddSign docstring example).
 S1 = dict(var=[[0.6, 0.4], [0.1, 0.5]], m=[[0.6, 0.5], [0.2, 0.6]], lr=0.001, alpha=1.0,
           sign_decay=0.99, beta=0.9, grad=[[0.3, 0.7], [0.1, 0.8]])
 S1_VAR = [[0.5994030237, 0.3986070156], [0.0998010039, 0.4984079897]]

@@ -12,7 +12,7 @@ def small_model():
                              keras.layers.Dense(2, name="head")])
 
 
-# -- validation (reference §2.1, plus the arguments MindSpore does not check) ------------------
+# -- validation (MindSpore's checks, plus the arguments MindSpore does not check) -------------
 
 @pytest.mark.parametrize("kwargs, error, argument", [
     (dict(loss_scale="2"), TypeError, "loss_scale"),

@@ -284,7 +284,7 @@ def test_t5_block_split(block_size, diagonal, off_diagonal, cross):
 
 
 def test_model_zoo_schedules():
-    """Reference §2.7: the toy values and the ResNet-50 configurations (Ascend, GPU)."""
+    """MindSpore's model-zoo schedules: the toy values and ResNet-50's (Ascend, GPU)."""
     np.testing.assert_allclose(mso.schedules.thor_lr(0, 0.1, 2.0, 2, 3, decay_epochs=1),
                                [0.0694444, 0.0444444, 0.0125, 0.0055556, 0.0013889, 0.0],
                                rtol=1e-5, atol=1e-7)

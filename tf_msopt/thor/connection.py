@@ -12,7 +12,24 @@ import keras
 from tf_msopt.thor.capture import LayerStatistics, install, install_model
 from tf_msopt.thor.sampled_fisher import SampledFisher, output_distribution
 
-__all__ = ["ModelConnection"]
+__all__ = ["ModelConnection", "matching_blocks"]
+
+
+def matching_blocks(expected, found, built):
+    """The curvature blocks of a connection: ``found`` (surveyed on the model) where the
+    optimizer has none yet (``expected`` None), else ``expected``, which they must equal."""
+    if expected is None:
+        if built:
+            raise ValueError("For 'THOR', the optimizer was built without layer specs; "
+                             "create it with tf_msopt.thor(model, ...) instead.")
+        return tuple(found)
+    if list(found) != list(expected):
+        raise ValueError(
+            f"For 'THOR', the model's layers do not match the layers this optimizer was "
+            f"created for.\n  optimizer: {[b.get_config() for b in expected]}\n"
+            f"  model:     {[b.get_config() for b in found]}"
+        )
+    return expected
 
 
 class ModelConnection:
@@ -53,6 +70,21 @@ class ModelConnection:
         install_model(model, sampled)
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again
+
+    def variable_rules(self, blocks, factored, count, index_of):
+        """Per index of the ``count`` trainable variables: for the variables of the treated
+        layers, the entry of ``factored`` (one per layer with factors, in order) or the
+        block (other layers); None for the others. ``index_of(variable)`` gives a variable's
+        index, or None (matched by object: paths change when a model is loaded)."""
+        rules = [None] * count
+        factored = iter(factored)
+        for block, layer in zip(blocks, self.layers):
+            rule = next(factored) if block.has_factors else block
+            for variable in block.treated_variables(layer):
+                index = index_of(variable)
+                if index is not None:
+                    rules[index] = rule
+        return rules
 
     def output_distribution(self):
         """The output distribution of the sampled Fisher: ``fisher_distribution``, or the

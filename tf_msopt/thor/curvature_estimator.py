@@ -115,6 +115,11 @@ class CurvatureEstimator:
         self.damping_retries = add_variable((), "zeros", "damping_retries", "int64")
         self.failed_inverses = add_variable((), "zeros", "failed_inverses", "int64")
 
+    def trace_decisions(self):
+        """``{layer name: (refreshed, reused, frozen)}`` with ``trace_thresholds``."""
+        return {layer.block.layer: tuple(int(n) for n in layer.trace_decisions.numpy())
+                for layer in self.layers if layer.trace_decisions is not None}
+
     # --- the update
 
     def update(self, distribution, statistics, damping, g_scale, is_statistics_step):

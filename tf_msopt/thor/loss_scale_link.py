@@ -7,6 +7,7 @@ wrapper to undo it. :class:`LossScaleLink` is the part of THOR that knows it.
 import weakref
 
 import keras
+import tensorflow as tf
 
 from tf_msopt._validation import type_name
 
@@ -55,6 +56,15 @@ class LossScaleLink:
         # THOR, and a reference back would make the two each other's dependency.
         self.__dict__["_thor_wrapper"] = weakref.ref(optimizer)
         self.__dict__["_thor_wrapped"] = True
+
+    def scale_on_loss(self, model):
+        """Every scale on the loss: ``loss_scale``, Keras' ``loss_scale_factor`` and the scale
+        of the LossScaleOptimizer applying this one, if any."""
+        scale = tf.constant(self.loss_scale * (self.loss_scale_factor or 1.0), tf.float32)
+        outer = self.wrapping_loss_scale_optimizer(model)
+        if outer is not None:
+            scale *= tf.cast(tf.convert_to_tensor(outer.dynamic_scale), tf.float32)
+        return scale
 
     def wrapping_loss_scale_optimizer(self, model):
         """The LossScaleOptimizer that applies this optimizer, None if there is none; looked

@@ -16,13 +16,13 @@ from tf_msopt._validation import type_name
 from tf_msopt.optimizers.base import MindSporeOptimizer, make_variable_filter
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor import curvature_blocks
-from tf_msopt.thor.connection import ModelConnection
+from tf_msopt.thor.connection import ModelConnection, matching_blocks
 from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator, LayerCurvature
 from tf_msopt.thor.execution import on_each_device
 from tf_msopt.thor.loss_scale_link import LossScaleLink
-from tf_msopt.thor.options import ThorOptions
-from tf_msopt.thor.report import ReportRow, ThorReport, survey
+from tf_msopt.thor.options import ThorOptions, check_keras_arguments
+from tf_msopt.thor.report import ThorReport, planned_rows, survey
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 __all__ = ["THOR", "connect", "thor"]
@@ -156,13 +156,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             statistics_frequency=statistics_frequency, fisher=fisher, kl_clip=kl_clip,
             trace_thresholds=trace_thresholds, seed=seed, weight_sharing=weight_sharing,
             weight_decay=weight_decay)
-        if kwargs.get("gradient_accumulation_steps"):
-            raise ValueError(
-                f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "
-                f"curvature statistics from the backward pass of each step, and an "
-                f"accumulated update would mix statistics of one batch with gradients of "
-                f"several. Got gradient_accumulation_steps="
-                f"{kwargs['gradient_accumulation_steps']!r}; use a larger batch instead.")
+        check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)
         self.options = options
@@ -195,17 +189,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             this optimizer.
         """
         blocks, layers, rows = survey(model, self.block_size)
-        if self._blocks is None:
-            if self.built:
-                raise ValueError(f"For '{_OWNER}', the optimizer was built without layer specs; "
-                                 f"create it with tf_msopt.thor(model, ...) instead.")
-            self._blocks = tuple(blocks)
-        elif list(blocks) != list(self._blocks):
-            raise ValueError(
-                f"For '{_OWNER}', the model's layers do not match the layers this optimizer was "
-                f"created for.\n  optimizer: {[b.get_config() for b in self._blocks]}\n"
-                f"  model:     {[b.get_config() for b in blocks]}"
-            )
+        self._blocks = matching_blocks(self._blocks, blocks, self.built)
         self._connection = ModelConnection(
             model, blocks, layers, rows, block_size=self.block_size,
             weight_sharing=self.weight_sharing, batch_size=self.batch_size,
@@ -230,15 +214,9 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         """A :class:`tf_msopt.thor.ThorReport`: every trainable variable's rule and why."""
         from tf_msopt.ops.inverse import inverse_backend
 
-        if self._connection is not None:
-            rows = self._connection.rows
-        else:
-            rows = [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
-                              block.describe(self.block_size), "")
-                    for block in self._blocks or () for name in block.variables]
-        decisions = {layer.block.layer: tuple(int(n) for n in layer.trace_decisions.numpy())
-                     for layer in self._estimator.layers if layer.trace_decisions is not None
-                     } if self.built else {}
+        rows = (self._connection.rows if self._connection is not None
+                else planned_rows(self._blocks or (), self.block_size))
+        decisions = self._estimator.trace_decisions() if self.built else {}
         return ThorReport(tuple(rows), self.frequency, self.block_size, inverse_backend(),
                           self._connection is not None, decisions)
 
@@ -314,39 +292,18 @@ class THOR(LossScaleLink, MindSporeOptimizer):
     def decay_weights(self, variables):
         """No decoupled decay: THOR adds ``weight_decay * w`` after preconditioning."""
 
-    def _variable_rules(self):
-        """Per variable index: the :class:`LayerCurvature` of a factored layer's variable, the
-        block of another treated layer's, or None.
-
-        Matched by object (update_step only sees tf.Variables, and paths change
-        when a model is loaded)."""
-        rules = [None] * len(compat.trainable_variables(self))
-        factored = iter(self._estimator.layers)
-        for block, layer in zip(self._blocks, self._connection.layers):
-            rule = next(factored) if block.has_factors else block
-            for variable in block.treated_variables(layer):
-                index = compat.tracked_index(self, variable)
-                if index is not None:
-                    rules[index] = rule
-        return rules
-
     def update_variables(self, grads, trainable_variables, learning_rate):
         if self._rules is None:
-            self._rules = self._variable_rules()
+            # Per variable index: a factored layer's LayerCurvature, another treated layer's
+            # block, or None. Matched by object: update_step only sees tf.Variables.
+            self._rules = self._connection.variable_rules(
+                self._blocks, self._estimator.layers, len(compat.trainable_variables(self)),
+                lambda variable: compat.tracked_index(self, variable))
         # This replica's statistics, read in replica context; summed by the estimator.
         local = [(tf.convert_to_tensor(s.a), tf.convert_to_tensor(s.g),
                   tf.convert_to_tensor(s.rows)) for s in self._connection.statistics]
         compat.merge_call(self._refresh_inverses, compat.distribution_strategy(self), local)
         super().update_variables(grads, trainable_variables, learning_rate)
-
-    def _loss_scale(self):
-        """Every scale on the loss: ``loss_scale``, Keras' ``loss_scale_factor`` and the scale
-        of the LossScaleOptimizer applying this one, if any."""
-        scale = tf.constant(self.loss_scale * (self.loss_scale_factor or 1.0), tf.float32)
-        outer = self.wrapping_loss_scale_optimizer(self._connection.model())
-        if outer is not None:
-            scale *= tf.cast(tf.convert_to_tensor(outer.dynamic_scale), tf.float32)
-        return scale
 
     def _refresh_inverses(self, distribution, local):
         """Hands the estimator this step's statistics, damping and scale of ``G``
@@ -356,7 +313,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         damping = tf.sqrt(self._damping())
         # Sampled labels come with an unscaled loss; the training loss carries its scale.
         g_scale = (tf.constant(1.0) if self.fisher == "sampled"
-                   else tf.math.reciprocal(tf.square(self._loss_scale())))
+                   else tf.math.reciprocal(tf.square(self.scale_on_loss(self._connection.model()))))
         self._estimator.update(distribution, local, damping, g_scale, self._is_statistics_step())
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):

@@ -11,7 +11,7 @@ import dataclasses
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.curvature_blocks import block_for
 
-__all__ = ["ReportRow", "ThorReport", "survey"]
+__all__ = ["ReportRow", "ThorReport", "planned_rows", "survey"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +58,13 @@ def survey(model, block_size):
                 why = reason or f"THOR preconditions the {layer_type} kernel only"
                 rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))
     return blocks, layers, rows
+
+
+def planned_rows(blocks, block_size):
+    """The rows of an optimizer not connected to a model: the variables its blocks treat."""
+    return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
+                      block.describe(block_size), "")
+            for block in blocks for name in block.variables]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Every optimizer under MultiWorkerMirroredStrategy: two worker processes on localhost train
 with the custom loop of examples/multi_worker.py and end with the weights of single-process
-training on the global batch (DESIGN §6). The same processes train THOR on the mixed model of
+training on the global batch. The same processes train THOR on the mixed model of
 tests/test_thor_distributed.py (Conv2D, Embedding, attention, LayerNorm), each worker feeding
 its half of every global batch."""
 import numpy as np

@@ -1,6 +1,6 @@
 """Crash recovery: a training process killed with SIGKILL mid-epoch and started again resumes
 from its last checkpoint with every optimizer state and ends with the weights of a run that was
-never killed (DESIGN §6). `fit` uses keras.callbacks.BackupAndRestore (saved each epoch); the
+never killed. `fit` uses keras.callbacks.BackupAndRestore (saved each epoch); the
 custom loop is examples/multi_worker.py with its tf.train.CheckpointManager (every 5 steps)."""
 import json
 import os

@@ -1,4 +1,4 @@
-"""THOR against the NumPy reference of DESIGN §4.5, golden values of the reference §2.11."""
+"""THOR against its NumPy reference (tests/thor_reference.py) and MindSpore's golden values."""
 import keras
 import numpy as np
 import pytest

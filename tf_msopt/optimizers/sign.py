@@ -44,9 +44,9 @@ class SignOptimizer(MindSporeOptimizer):
     def _update(self, gradient, variable, learning_rate):
         dtype = variable.dtype
         m = self._momentums[compat.variable_index(self, variable)]
+        sign_decay = value_at_step(self.sign_decay, self.iterations)
         hyper = [tf.cast(x, dtype) for x in (
-            learning_rate, getattr(self, self._coefficient), value_at_step(self.sign_decay, self.iterations),
-            self.beta)]
+            learning_rate, getattr(self, self._coefficient), sign_decay, self.beta)]
         grad = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense semantics
         update_sign_variables(self._rule, variable, m.value, *hyper, grad,
                               fused=getattr(self, "_fused", None))

@@ -7,7 +7,6 @@ the patched model :class:`~tf_msopt.thor.connection.ModelConnection`'s.
 """
 import dataclasses
 
-import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat

@@ -38,7 +38,7 @@ import tensorflow as tf  # noqa: E402
 import tf_msopt as mso  # noqa: E402
 
 tf.get_logger().setLevel("ERROR")  # one traced step per case: retracing notes are expected
-from tf_msopt.thor import blocks  # noqa: E402
+from tf_msopt.thor import block_diagonal as blocks  # noqa: E402
 from timing import emit, machine, time_cases  # noqa: E402
 
 F32 = 4  # bytes

@@ -40,8 +40,8 @@ def variable(value, path, dtype="float32"):
 
 def numpy_adam_offload(weights, grads_per_step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                        use_nesterov=False, decay=None, loss_scale=1.0):
-    """AdamOffload's update in float64; returns the weights after each step. ``decay[i]`` is variable
-    i's weight decay; ``lr`` a number, or ``lr(step, i)``: variable i's rate at step 0, 1, ..."""
+    """AdamOffload's update in float64; returns the weights after each step. ``decay[i]`` is
+    variable i's weight decay; ``lr`` a number, or ``lr(step, i)``: variable i's rate at step 0, 1, ..."""
     weights = [np.asarray(w, np.float64) for w in weights]
     m = [np.zeros_like(w) for w in weights]
     v = [np.zeros_like(w) for w in weights]

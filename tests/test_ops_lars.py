@@ -28,7 +28,7 @@ def backend(request, monkeypatch):
 
 def numpy_lars_momentum(w, a, g, lr, momentum, weight_decay, coefficient, epsilon, use_clip,
                         use_nesterov):
-    """LARS' trust-ratio update around Keras SGD's momentum step, in float64."""
+    """MindSpore's LARS with Keras SGD's momentum step, in float64."""
     w, a, g = (np.asarray(x, np.float64) for x in (w, a, g))
     w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
     trust = coefficient * w_norm / (weight_decay * w_norm + g_norm + epsilon)

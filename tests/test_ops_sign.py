@@ -25,7 +25,7 @@ S3_VAR = [1.3892847, 0.99229354, 0.92214304, 1.0]
 
 
 def numpy_sign_step(rule, var, m, lr, coefficient, sign_decay, beta, grad):
-    """AddSign's and PowerSign's update (MindSpore's formula) in NumPy float64."""
+    """The sign optimizers' formula in NumPy float64."""
     var, m, grad = (np.asarray(a, np.float64) for a in (var, m, grad))
     m = beta * m + (1 - beta) * grad
     sign_product = np.sign(grad) * np.sign(m)

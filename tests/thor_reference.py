@@ -1,4 +1,4 @@
-"""A NumPy (float64) reference of THOR as DESIGN §4.5 defines it, for the tests.
+"""A NumPy (float64) reference of THOR as docs/thor.md defines it, for the tests.
 
 It has its own small network (forward and backward written out here, convolutions
 through an explicit im2col) so that the layer inputs, the pre-activation
@@ -243,7 +243,7 @@ class Network:
 
 
 class ThorReference:
-    """THOR's update (DESIGN §4.5) on a :class:`Network`, one step per :meth:`step`.
+    """THOR's update on a :class:`Network`, one step per :meth:`step`.
 
     ``learning_rate`` and ``damping`` are functions of the step; ``decay`` is a
     function of ``"layer/param"`` names. The opt-in options follow the THOR class

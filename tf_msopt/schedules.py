@@ -5,6 +5,9 @@ The classes are ``keras.optimizers.schedules.LearningRateSchedule`` subclasses
 registered under the ``tf_msopt`` package, so they serialize with the optimizer
 and load with ``keras.models.load_model(safe_mode=True)``. ``thor_lr`` and
 ``thor_damping`` return per-step arrays, as MindSpore's model zoo does.
+
+:func:`value_at_step` and :func:`serialize_step_value` read and save an optimizer
+argument that may be a number, a schedule or a zero-argument callable.
 """
 import math
 
@@ -18,11 +21,32 @@ from tf_msopt._validation import check_float, check_int, check_number_range
 __all__ = ["PerStepSchedule", "LinearSignDecay", "CosineSignDecay", "RestartSignDecay",
            "thor_damping", "thor_lr"]
 
-_Schedule = keras.optimizers.schedules.LearningRateSchedule
+#: Keras' base class of the schedules of the step.
+Schedule = keras.optimizers.schedules.LearningRateSchedule
+
+
+def value_at_step(value, step):
+    """An argument at ``step``: a number as it is, a schedule called with ``step``, another
+    callable called with no argument (Keras' form of a learning rate)."""
+    if isinstance(value, Schedule):
+        return value(step)
+    return value() if callable(value) else value
+
+
+def serialize_step_value(value, what, owner):
+    """The config form of a :func:`value_at_step` argument; ``what`` names it in the error
+    a Python callable raises (it cannot be saved)."""
+    if isinstance(value, Schedule):
+        return keras.saving.serialize_keras_object(value)
+    if callable(value):
+        raise ValueError(
+            f"For '{owner}', {what} is the Python callable {value!r}, which cannot be saved. "
+            f"Pass a number, an array or a keras LearningRateSchedule.")
+    return value
 
 
 @register
-class PerStepSchedule(_Schedule):
+class PerStepSchedule(Schedule):
     """A value per step: ``values[step]``, the form of a MindSpore 1-D learning rate.
 
     MindSpore gathers ``learning_rate[global_step]`` and fails once the step runs
@@ -62,7 +86,7 @@ def _check_zero_after(zero_after, owner):
                               low=0.0)
 
 
-class _SignDecay(_Schedule):
+class _SignDecay(Schedule):
     """Shared clamp of the step to ``[0, decay_steps]`` (steps past the end keep the last value)."""
 
     def _clamped_step(self, step):

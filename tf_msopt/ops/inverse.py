@@ -170,7 +170,7 @@ def _failure_message(ok):
 def damped_inverse(matrices, damping):
     """``inv(M + damping * I)`` for a batch ``[..., n, n]`` of symmetric positive definite ``M``.
 
-    THOR's block inverse (DESIGN §4.6), usable on its own. The op path fuses
+    THOR's block inverse, usable on its own. The op path fuses
     damping, Cholesky and the triangular inverse; see the module docstring for
     the back-ends and :func:`inverse_backend` for the one in use.
 

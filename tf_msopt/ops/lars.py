@@ -1,7 +1,7 @@
 """LARS around SGD with momentum: the trust ratio and the update in two passes over memory.
 
 For a variable ``w``, its gradient ``g`` and Keras SGD's momentum slot ``a``
-(MindSpore ``nn.LARS`` semantics, DESIGN §4.3)::
+(MindSpore ``nn.LARS`` semantics)::
 
     trust = coefficient * |w| / (weight_decay * |w| + |g| + epsilon)
     trust = clip(trust / lr, 0, 1)                 # use_clip
@@ -20,18 +20,12 @@ about 1e-7 relative (the kernel may fuse multiply-adds).
 """
 import tensorflow as tf
 
-from tf_msopt._common import in_xla_context
+from tf_msopt._common import in_xla_context, tf_variable
 from tf_msopt.ops._loader import load_custom_ops
 
-__all__ = ["apply_lars_momentum", "lars_momentum_kernel"]
+__all__ = ["apply_lars_momentum", "lars_momentum_kernel", "norm", "trust_ratio"]
 
 _KERNEL_DTYPES = (tf.float32, tf.float64)
-
-
-def _tf_variable(variable):
-    """The ``tf.Variable`` behind a ``keras.Variable`` (or the variable itself)."""
-    value = getattr(variable, "value", None)
-    return value if isinstance(value, tf.Variable) else variable
 
 
 def lars_momentum_kernel(variable, gradient):
@@ -43,7 +37,7 @@ def lars_momentum_kernel(variable, gradient):
     """
     if isinstance(gradient, tf.IndexedSlices) or in_xla_context():
         return None
-    variable = _tf_variable(variable)
+    variable = tf_variable(variable)
     if variable.dtype not in _KERNEL_DTYPES:
         return None
     if tf.DeviceSpec.from_string(variable.device or "").device_type not in (None, "CPU"):
@@ -59,8 +53,25 @@ def _scalar(x, dtype):
     return tf.cast(x, dtype)
 
 
-def _norm(x):
+def norm(x):
+    """The L2 norm of the whole tensor ``x``."""
+    # L2Loss (sum(x**2) / 2) reads x once with no temporary, unlike reduce_sum(square(x)),
+    # and XLA compiles it too.
     return tf.sqrt(2.0 * tf.nn.l2_loss(x))
+
+
+def trust_ratio(w_norm, g_norm, coefficient, epsilon, weight_decay=None, use_clip=False,
+                learning_rate=None):
+    """LARS' ``trust`` from the norms of a variable and its gradient (scalars of one dtype);
+    ``weight_decay`` None leaves its term out. 1 where either norm is 0."""
+    denominator = g_norm + epsilon
+    if weight_decay is not None:
+        denominator += weight_decay * w_norm
+    trust = coefficient * w_norm / denominator
+    if use_clip:
+        trust = tf.clip_by_value(trust / learning_rate, 0.0, 1.0)
+    # Zero norms: leave the step to the plain update rather than freeze w.
+    return tf.where((w_norm > 0) & (g_norm > 0), trust, tf.ones_like(trust))
 
 
 def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum,
@@ -83,8 +94,8 @@ def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum
         None (inside a ``tf.function`` the update is ordered by automatic control
         dependencies, as for ``tf.Variable.assign``).
     """
-    var = _tf_variable(variable)
-    accum = _tf_variable(accumulator)
+    var = tf_variable(variable)
+    accum = tf_variable(accumulator)
     dtype = var.dtype
     kernel = lars_momentum_kernel(var, gradient) if use_kernel is not False else None
     gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)
@@ -98,11 +109,8 @@ def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum
         return
     lr, momentum, weight_decay, coefficient, epsilon = scalars
     weight = tf.convert_to_tensor(var)
-    w_norm, g_norm = _norm(weight), _norm(gradient)
-    trust = coefficient * w_norm / (g_norm + epsilon + weight_decay * w_norm)
-    if use_clip:
-        trust = tf.clip_by_value(trust / lr, 0.0, 1.0)
-    trust = tf.where((w_norm > 0) & (g_norm > 0), trust, tf.ones_like(trust))
+    w_norm, g_norm = norm(weight), norm(gradient)
+    trust = trust_ratio(w_norm, g_norm, coefficient, epsilon, weight_decay, use_clip, lr)
     tf.raw_ops.ResourceApplyKerasMomentum(
         var=var.handle, accum=accum.handle, lr=trust * lr,
         grad=gradient + weight_decay * weight, momentum=momentum,

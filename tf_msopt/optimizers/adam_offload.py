@@ -16,6 +16,7 @@ from tf_msopt.optimizers.base import (
     slot_name,
     variable_path,
 )
+from tf_msopt.schedules import serialize_step_value, value_at_step
 
 __all__ = ["AdamOffload"]
 
@@ -27,7 +28,6 @@ _OWNER = "AdamOffload"
 _HOST_DTYPES = {"float16": "float32", "bfloat16": "float32", tf.float16: tf.float32,
                 tf.bfloat16: tf.float32}
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay")
-_Schedule = keras.optimizers.schedules.LearningRateSchedule
 
 XLA_MESSAGE = (
     "AdamOffload keeps its moments on the host device ({host}) and updates them there, which "
@@ -151,19 +151,13 @@ def _same_device(a, b):
         (b.device_type or "CPU").upper(), b.device_index or 0)
 
 
-def _current_rate(rate, iterations):
-    if isinstance(rate, _Schedule):
-        return rate(iterations)
-    return rate() if callable(rate) else rate
-
-
 @register
 class AdamOffload(MindSporeOptimizer):
     """Adam with its moments and arithmetic on the host, MindSpore's ``nn.AdamOffload``.
 
     For a variable ``w`` with gradient ``g`` at step ``t`` (1, 2, ...)::
 
-        g     = g / loss_scale + weight_decay * w     # L2 decay, see below
+        g     = g / loss_scale + weight_decay * w     # L2 decay (not decoupled)
         lr_t  = lr * sqrt(1 - beta2**t) / (1 - beta1**t)
         m     = beta1 * m + (1 - beta1) * g
         v     = beta2 * v + (1 - beta2) * g * g
@@ -234,7 +228,7 @@ class AdamOffload(MindSporeOptimizer):
         self.use_locking = check_bool(use_locking, "use_locking", _OWNER)
         self.use_nesterov = check_bool(use_nesterov, "use_nesterov", _OWNER)
         # MindSpore's L2 decay, added to the gradient (not Keras' decoupled decay,
-        # which _apply_weight_decay below turns off).
+        # which decay_weights below turns off).
         self.weight_decay = weight_decay
         self.loss_scale = loss_scale
         self.host_device = _check_host_device(host_device)
@@ -342,7 +336,7 @@ class AdamOffload(MindSporeOptimizer):
             for index, group in enumerate(self.groups):
                 rate = group.get("learning_rate")
                 rates[index] = rates[None] if rate is None else tf.cast(
-                    _current_rate(rate, self.iterations), tf.float32)
+                    value_at_step(rate, self.iterations), tf.float32)
         return {key: (beta1_power, beta2_power, rate) for key, rate in rates.items()}
 
     def _host_steps(self, updates, scalars):
@@ -400,14 +394,9 @@ class AdamOffload(MindSporeOptimizer):
     def _group_config(index, group):
         config = dict(group)
         config["params"] = serialize_filter(group["params"], f"groups[{index}]['params']", _OWNER)
-        rate = group.get("learning_rate")
-        if isinstance(rate, _Schedule):
-            config["learning_rate"] = keras.saving.serialize_keras_object(rate)
-        elif callable(rate):
-            raise ValueError(
-                f"For '{_OWNER}', groups[{index}]['learning_rate'] is the Python callable "
-                f"{rate!r}, which cannot be saved. Use a float or a LearningRateSchedule."
-            )
+        if "learning_rate" in group:
+            config["learning_rate"] = serialize_step_value(
+                group["learning_rate"], f"groups[{index}]['learning_rate']", _OWNER)
         return config
 
     @classmethod

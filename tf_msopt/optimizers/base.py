@@ -6,6 +6,8 @@
 - :func:`make_variable_filter` / :func:`serialize_filter`: ``lars_filter`` and
   ``decay_filter`` as a callable on ``keras.Variable`` or a list of regular
   expressions of variable paths to exclude.
+- :class:`WrapperOfOptimizer`: ``set_weights`` and ``exclude_from_weight_decay``
+  of an optimizer that wraps another (LARS, LossScaleOptimizer).
 - :class:`MindSporeOptimizer`: a ``keras.optimizers.Optimizer`` with the
   optimizer-level ``jit_compile`` switch and a ``from_config`` that restores
   every serialized Keras object in the config (schedules, registered filters).
@@ -19,25 +21,23 @@ import numpy as np
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import in_xla_context
+from tf_msopt._common import in_xla_context, tf_variable
 from tf_msopt._validation import check_bool, type_name
-from tf_msopt.schedules import PerStepSchedule
+from tf_msopt.schedules import PerStepSchedule, Schedule
 
 __all__ = [
     "AcceptsEmptyGradients",
     "BuildsOnceEveryReplicaIsReady",
     "MindSporeOptimizer",
+    "WrapperOfOptimizer",
     "check_filter",
     "default_name",
     "make_variable_filter",
     "resolve_learning_rate",
     "serialize_filter",
-    "set_all_weights",
     "slot_name",
     "variable_path",
 ]
-
-_Schedule = keras.optimizers.schedules.LearningRateSchedule
 
 
 class _UntrackedDict(dict):
@@ -63,7 +63,7 @@ def resolve_learning_rate(value, owner, arg="learning_rate"):
         TypeError: for any other type (strings, booleans, non-float arrays).
         ValueError: for a negative or non-finite value, or an array of rank > 1.
     """
-    if isinstance(value, _Schedule):
+    if isinstance(value, Schedule):
         return value
     if isinstance(value, bool) or isinstance(value, (str, bytes)):
         raise _learning_rate_type_error(value, arg, owner)
@@ -107,10 +107,6 @@ def _learning_rate_type_error(value, arg, owner):
     )
 
 
-def _tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
 def variable_path(variable):
     """The path filters match: ``keras.Variable.path``, or a plain ``tf.Variable``'s name
     without its ``:0`` suffix (Keras' optimizers accept both kinds of variable)."""
@@ -131,33 +127,6 @@ def default_name(stem):
     (two ``Adam()`` are ``adam`` and ``adam_1``), from Keras' public uid counter."""
     uid = keras.backend.get_uid(stem)
     return stem if uid == 1 else f"{stem}_{uid - 1}"
-
-
-def set_all_weights(optimizer, weights):
-    """``set_weights`` for a wrapper: every value of ``optimizer.variables`` (its own and its
-    inner optimizer's), in that order; Keras' version sets ``_variables`` only."""
-    variables = optimizer.variables
-    weights = list(weights)
-    if not optimizer.built:
-        # Keras' message first: code that matches Keras' error matches this one.
-        raise ValueError(
-            "You are calling `set_weights()` on an optimizer that has not yet been built. "
-            "Please call `optimizer.build(trainable_variables)` to create the optimizer "
-            "weights before calling `set_weights()`. "
-            f"For '{type(optimizer).__name__}', that also builds its inner optimizer.")
-    if len(weights) != len(variables):
-        raise ValueError(
-            f"For '{type(optimizer).__name__}', set_weights() got {len(weights)} values for "
-            f"{len(variables)} variables (its own and its inner optimizer's)."
-        )
-    for variable, weight in zip(variables, weights):
-        if tuple(variable.shape) != tuple(np.shape(weight)):
-            raise ValueError(
-                f"For '{type(optimizer).__name__}', the optimizer variable '{variable.path}' "
-                f"has shape {tuple(variable.shape)}, but set_weights() got shape "
-                f"{tuple(np.shape(weight))}."
-            )
-        variable.assign(weight)
 
 
 def make_variable_filter(spec, default_excludes, arg, owner):
@@ -247,6 +216,43 @@ class BuildsOnceEveryReplicaIsReady:
         self.built = True     # as Keras' apply marks it
 
 
+class WrapperOfOptimizer:
+    """Mixin of the optimizers that wrap another (``inner_optimizer``: LARS,
+    LossScaleOptimizer): their state includes the wrapped optimizer's, which owns the
+    weight decay."""
+
+    def set_weights(self, weights):
+        """Sets every value of :attr:`variables`: the wrapper's own and then the wrapped
+        optimizer's (Keras' version sets the wrapper's own only)."""
+        variables = self.variables
+        weights = list(weights)
+        owner = type(self).__name__
+        if not self.built:
+            # Keras' message first: code that matches Keras' error matches this one.
+            raise ValueError(
+                "You are calling `set_weights()` on an optimizer that has not yet been built. "
+                "Please call `optimizer.build(trainable_variables)` to create the optimizer "
+                "weights before calling `set_weights()`. "
+                f"For '{owner}', that also builds its inner optimizer.")
+        if len(weights) != len(variables):
+            raise ValueError(
+                f"For '{owner}', set_weights() got {len(weights)} values for "
+                f"{len(variables)} variables (its own and its inner optimizer's)."
+            )
+        for variable, weight in zip(variables, weights):
+            if tuple(variable.shape) != tuple(np.shape(weight)):
+                raise ValueError(
+                    f"For '{owner}', the optimizer variable '{variable.path}' "
+                    f"has shape {tuple(variable.shape)}, but set_weights() got shape "
+                    f"{tuple(np.shape(weight))}."
+                )
+            variable.assign(weight)
+
+    def exclude_from_weight_decay(self, var_list=None, var_names=None):
+        """Excludes variables from weight decay, recorded in the wrapped optimizer."""
+        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
+
+
 class MindSporeOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
                          compat.Optimizer):
     """Base of the package's optimizers.
@@ -296,13 +302,13 @@ class MindSporeOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
             )
         super().exclude_from_weight_decay(var_list=var_list, var_names=var_names)
         self._decay_exclusion_ids = frozenset(
-            id(x) for v in var_list or () for x in (v, _tf_variable(v)))
+            id(x) for v in var_list or () for x in (v, tf_variable(v)))
         self._decay_exclusion_patterns = tuple(var_names or ())
 
     def excluded_from_weight_decay(self, variable):
         """True when :meth:`exclude_from_weight_decay` excluded ``variable``."""
         if id(variable) in self._decay_exclusion_ids or id(
-                _tf_variable(variable)) in self._decay_exclusion_ids:
+                tf_variable(variable)) in self._decay_exclusion_ids:
             return True
         path = variable_path(variable)
         return any(re.search(p, path) for p in self._decay_exclusion_patterns)

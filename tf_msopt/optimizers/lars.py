@@ -3,15 +3,15 @@ import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import register
+from tf_msopt._common import register, tf_variable
 from tf_msopt._validation import check_bool, check_float, type_name
-from tf_msopt.ops.lars import apply_lars_momentum, lars_momentum_kernel
+from tf_msopt.ops.lars import apply_lars_momentum, lars_momentum_kernel, norm, trust_ratio
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
+    WrapperOfOptimizer,
     check_filter,
     make_variable_filter,
     serialize_filter,
-    set_all_weights,
 )
 
 __all__ = ["LARS"]
@@ -50,18 +50,8 @@ def _check_optimizer(optimizer, owner):
     return optimizer
 
 
-def _tf_variable(variable):
-    return variable.value if isinstance(variable, keras.Variable) else variable
-
-
-def _norm(x):
-    # L2Loss (sum(x**2) / 2) reads x once with no temporary: 2-3x faster than
-    # reduce_sum(square(x)) on CPU, and XLA compiles it too.
-    return tf.sqrt(2.0 * tf.nn.l2_loss(x))
-
-
 @register
-class LARS(MindSporeOptimizer):
+class LARS(WrapperOfOptimizer, MindSporeOptimizer):
     """Layer-wise adaptive rate scaling (You et al. 2017) around any Keras optimizer.
 
     MindSpore's ``nn.LARS``: for each variable ``w`` that passes ``lars_filter``,
@@ -160,14 +150,6 @@ class LARS(MindSporeOptimizer):
     def variables(self):
         return compat.optimizer_own_variables(self) + self.inner_optimizer.variables
 
-    def set_weights(self, weights):
-        """Sets every value of :attr:`variables`: LARS' own and the wrapped optimizer's."""
-        set_all_weights(self, weights)
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the weight decay (recorded in the wrapped optimizer)."""
-        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
-
     def build(self, var_list):
         if self.built:
             return
@@ -177,7 +159,7 @@ class LARS(MindSporeOptimizer):
         self._lars_flags = [bool(self._lars_filter(v)) for v in var_list]
         # Keras matches exclude_from_weight_decay names on the tf.Variable's full name.
         self._decay_flags = [bool(self.weight_decay)
-                             and compat.uses_weight_decay(self.inner_optimizer, _tf_variable(v))
+                             and compat.uses_weight_decay(self.inner_optimizer, tf_variable(v))
                              for v in var_list]
 
     def apply(self, grads, trainable_variables=None):
@@ -220,17 +202,13 @@ class LARS(MindSporeOptimizer):
         dtype = variable.dtype
         weight = tf.convert_to_tensor(variable)
         gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense
-        w_norm, g_norm = _norm(weight), _norm(gradient)
-        denominator = g_norm + tf.cast(self.epsilon, dtype)
+        w_norm, g_norm = norm(weight), norm(gradient)
+        weight_decay = tf.cast(self.weight_decay, dtype) if decay else None
         if decay:
-            weight_decay = tf.cast(self.weight_decay, dtype)
-            denominator += weight_decay * w_norm
             gradient += weight_decay * weight
-        trust = tf.cast(self.coefficient, dtype) * w_norm / denominator
-        if self.use_clip:
-            trust = tf.clip_by_value(trust / tf.cast(learning_rate, dtype), 0.0, 1.0)
-        # Zero norms: leave the step to the wrapped optimizer rather than freeze w.
-        return gradient, tf.where((w_norm > 0) & (g_norm > 0), trust, tf.ones_like(trust))
+        return gradient, trust_ratio(w_norm, g_norm, tf.cast(self.coefficient, dtype),
+                                     tf.cast(self.epsilon, dtype), weight_decay, self.use_clip,
+                                     tf.cast(learning_rate, dtype) if self.use_clip else None)
 
     def _fused_sgd_step(self, gradient, variable, learning_rate):
         """``keras.optimizers.SGD``'s update step as one fused kernel.
@@ -242,14 +220,14 @@ class LARS(MindSporeOptimizer):
         ``w += momentum * m - lr * g``).
         """
         inner = self.inner_optimizer
-        handle = _tf_variable(variable).handle
+        handle = tf_variable(variable).handle
         if inner.momentum == 0:
             tf.raw_ops.ResourceApplyGradientDescent(var=handle, alpha=learning_rate,
                                                     delta=gradient)
             return
         momentum = inner.momentums[compat.variable_index(inner, variable)]
         tf.raw_ops.ResourceApplyKerasMomentum(
-            var=handle, accum=_tf_variable(momentum).handle, lr=learning_rate, grad=gradient,
+            var=handle, accum=tf_variable(momentum).handle, lr=learning_rate, grad=gradient,
             momentum=tf.cast(inner.momentum, variable.dtype), use_nesterov=inner.nesterov)
 
     def get_config(self):

@@ -1,19 +1,17 @@
 """Shared state of the sign optimizers (AddSign, PowerSign): ``m``, ``beta``, ``sign_decay``."""
 import numbers
 
-import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._validation import check_float, check_number_range, type_name
 from tf_msopt.ops.sign import update_sign_variables
 from tf_msopt.optimizers.base import MindSporeOptimizer
-
-_Schedule = keras.optimizers.schedules.LearningRateSchedule
+from tf_msopt.schedules import Schedule, serialize_step_value, value_at_step
 
 
 def _check_sign_decay(sign_decay, owner):
-    if isinstance(sign_decay, _Schedule):
+    if isinstance(sign_decay, Schedule):
         return sign_decay
     if isinstance(sign_decay, bool) or not isinstance(sign_decay, numbers.Real):
         raise TypeError(
@@ -43,25 +41,20 @@ class SignOptimizer(MindSporeOptimizer):
         super().build(var_list)
         self._momentums = self.add_optimizer_variables(var_list, "m")
 
-    def _current_sign_decay(self):
-        if isinstance(self.sign_decay, _Schedule):
-            return self.sign_decay(self.iterations)
-        return self.sign_decay
-
     def _update(self, gradient, variable, learning_rate):
         dtype = variable.dtype
         m = self._momentums[compat.variable_index(self, variable)]
+        sign_decay = value_at_step(self.sign_decay, self.iterations)
         hyper = [tf.cast(x, dtype) for x in (
-            learning_rate, getattr(self, self._coefficient), self._current_sign_decay(), self.beta)]
+            learning_rate, getattr(self, self._coefficient), sign_decay, self.beta)]
         grad = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense semantics
         update_sign_variables(self._rule, variable, m.value, *hyper, grad,
                               fused=getattr(self, "_fused", None))
 
     def get_config(self):
         config = super().get_config()
-        sign_decay = self.sign_decay
-        if isinstance(sign_decay, _Schedule):
-            sign_decay = keras.saving.serialize_keras_object(sign_decay)
+        sign_decay = serialize_step_value(self.sign_decay, "the 'sign_decay'",
+                                          type(self).__name__)
         config.update({self._coefficient: getattr(self, self._coefficient), "beta": self.beta,
                        "sign_decay": sign_decay})
         return config

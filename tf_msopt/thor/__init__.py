@@ -5,18 +5,31 @@
 :func:`tf_msopt.thor.optimizer.thor`, which creates a :class:`THOR` for a model
 and connects the capture of curvature statistics to its layers.
 
-- ``curvature_blocks.py``: one class per layer kind (Dense, EinsumDense,
-  Conv1D/2D, DepthwiseConv2D, Embedding, LayerNormalization) and the registry
-  from Keras layer types to them;
-- ``capture.py``: walks a model and patches the treated layers' ``call``;
-- ``blocks.py``: block-diagonal factor math (damped inverses that never go
-  non-finite, block products);
-- :func:`connect` reconnects a loaded model's THOR (after ``load_model``);
-- :class:`ThorReport` (``optimizer.report()``) says what each variable gets.
+- ``optimizer.py``: :class:`THOR` (the schedule of steps, the preconditioned
+  momentum update, the KL clip, the config), :func:`thor` and :func:`connect`
+  (reconnects a loaded model's THOR after ``load_model``);
+- ``options.py``: THOR's options, checked and serialized once;
+- ``curvature_estimator.py``: each factored layer's curvature state (inverses,
+  moving averages, trace rule) and its updates from the captured statistics;
+- ``curvature_base.py``: the base of the curvature blocks and the registry from
+  Keras layer types to them;
+- ``curvature_blocks.py``: one curvature block per layer kind (Dense,
+  EinsumDense, Conv1D/2D, DepthwiseConv2D, Embedding, LayerNormalization);
+- ``block_diagonal.py``: block-diagonal factor math (damped inverses that never
+  go non-finite, block products);
+- ``connection.py``: the connection to a model (patched layers, statistics
+  buffers, the sampled Fisher);
+- ``capture.py``: patches a treated layer's ``call`` to record its statistics;
+- ``sampled_fisher.py``: ``G`` from labels sampled from the model's outputs;
+- ``loss_scale_link.py``: finds the LossScaleOptimizer that applies THOR;
+- ``execution.py``: conditionals on the step, one trace, replicas and devices;
+- ``report.py``: which layers get which rule (:class:`ThorReport`,
+  ``optimizer.report()``).
 """
 import sys
 import types
 
+from tf_msopt.thor import block_diagonal as blocks  # the module's former name
 from tf_msopt.thor.optimizer import THOR, connect, thor
 from tf_msopt.thor.report import ThorReport
 

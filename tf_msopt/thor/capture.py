@@ -1,9 +1,5 @@
-"""Which layers THOR preconditions, and how their curvature statistics are captured.
+"""How the curvature statistics of the layers THOR treats are captured.
 
-:func:`survey` walks a model (into nested models and wrapper layers such as
-``MultiHeadAttention``, ``TimeDistributed`` and ``Bidirectional``) and gives
-each trainable variable a rule: a curvature block
-(:mod:`tf_msopt.thor.curvature_blocks`) or first order, with the reason.
 :func:`install` patches the ``call`` of each treated layer (an instance
 attribute; the class is untouched): the block passes the output it observes
 through an identity whose gradient function records, on THOR steps only, the
@@ -16,64 +12,17 @@ own computation alone: inference graphs hold nothing of THOR's. With the sampled
 Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs and
 outputs to the model-level capture, which records after the forward pass.
 """
-import dataclasses
 import functools
 
 import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt.thor.curvature_blocks import block_for
+from tf_msopt.thor.execution import global_batch, when
 
-__all__ = ["LayerStatistics", "ReportRow", "install", "survey", "when"]
+__all__ = ["LayerStatistics", "assign", "install", "install_model"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
-
-
-@dataclasses.dataclass(frozen=True)
-class ReportRow:
-    """What THOR does with one trainable variable, and why."""
-
-    layer: str
-    layer_type: str
-    variable: str
-    rule: str
-    reason: str
-
-
-def survey(model, block_size):
-    """Gives every trainable variable of ``model`` a rule.
-
-    Returns:
-        ``(blocks, layers, rows)``: the curvature block of each layer THOR treats,
-        those layers (same order), and a :class:`ReportRow` for every trainable
-        variable of the model.
-    """
-    if not model.built:
-        raise ValueError(
-            "For 'thor', the model must be built (give it an Input, or call it once on a batch) "
-            "so that its layers' shapes are known."
-        )
-    blocks, layers, rows = [], [], []
-    for layer in compat.flatten_layers(model):
-        variables = compat.own_trainable_variables(layer)
-        if not variables:
-            continue
-        block, reason = block_for(layer)
-        layer_type = type(layer).__name__
-        treated = set()
-        if block is not None:
-            blocks.append(block)
-            layers.append(layer)
-            treated = {id(v) for v in block.treated_variables(layer)}
-            detail = block.describe(block_size)
-        for variable in variables:
-            if id(variable) in treated:
-                rows.append(ReportRow(layer.name, layer_type, variable.path, detail, ""))
-            else:
-                why = reason or f"THOR preconditions the {layer_type} kernel only"
-                rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))
-    return blocks, layers, rows
 
 
 class LayerStatistics:
@@ -120,25 +69,6 @@ def assign(variable, value):
     return variable.value.assign(value, read_value=False)
 
 
-def when(condition, fn):
-    """``fn()`` where ``condition`` holds: a ``tf.cond``, or a plain call when ``condition`` is
-    the Python ``True`` (a kind of step that every step is, such as statistics every step),
-    so that no conditional is built that would always be taken."""
-    if condition is True:
-        return fn()
-    return tf.cond(condition, fn, lambda: tf.constant(False))
-
-
-def _replicas_in_sync():
-    context = tf.distribute.get_replica_context()
-    return 1 if context is None else context.num_replicas_in_sync
-
-
-def _global_batch(tensor):
-    """The first axis of ``tensor`` summed over replicas (replicas get equal shares)."""
-    return tf.cast(tf.shape(tensor)[0] * _replicas_in_sync(), tf.float32)
-
-
 def _observe(output, record):
     """``output`` unchanged; in the backward pass ``record(d_output)`` runs beside the
     gradient.
@@ -178,7 +108,7 @@ class _Capture:
                 return outputs
         elif self.statistics is None:       # no factors: only the global batch is needed
             def observe(outputs):
-                return _observe(outputs, lambda d: assign(self.batch, _global_batch(d)))
+                return _observe(outputs, lambda d: assign(self.batch, global_batch(d)))
         elif self.sampled is not None:
             def observe(outputs):
                 return self.sampled.observe(self.layer, self.statistics, inputs, outputs)
@@ -189,7 +119,7 @@ class _Capture:
 
     def _record(self, inputs, d_outputs):
         def write():
-            delta = tf.cast(d_outputs, tf.float32) * _global_batch(d_outputs)
+            delta = tf.cast(d_outputs, tf.float32) * global_batch(d_outputs)
             return self.statistics.write(*self.statistics.measure(self.layer, inputs, delta))
 
         return when(self.is_statistics_step(), write)

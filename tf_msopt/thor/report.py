@@ -1,7 +1,70 @@
-"""The readable account of what THOR does with each trainable variable."""
+"""What THOR does with each trainable variable, and why.
+
+:func:`survey` walks a model (into nested models and wrapper layers such as
+``MultiHeadAttention``, ``TimeDistributed`` and ``Bidirectional``) and gives
+each trainable variable a rule: a curvature block
+(:mod:`tf_msopt.thor.curvature_blocks`) or first order, with the reason, as a
+:class:`ReportRow`; :class:`ThorReport` is the readable account.
+"""
 import dataclasses
 
-__all__ = ["ThorReport"]
+from tf_msopt import _keras_compat as compat
+from tf_msopt.thor.curvature_blocks import block_for
+
+__all__ = ["ReportRow", "ThorReport", "planned_rows", "survey"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReportRow:
+    """What THOR does with one trainable variable, and why."""
+
+    layer: str
+    layer_type: str
+    variable: str
+    rule: str
+    reason: str
+
+
+def survey(model, block_size):
+    """Gives every trainable variable of ``model`` a rule.
+
+    Returns:
+        ``(blocks, layers, rows)``: the curvature block of each layer THOR treats,
+        those layers (same order), and a :class:`ReportRow` for every trainable
+        variable of the model.
+    """
+    if not model.built:
+        raise ValueError(
+            "For 'thor', the model must be built (give it an Input, or call it once on a batch) "
+            "so that its layers' shapes are known."
+        )
+    blocks, layers, rows = [], [], []
+    for layer in compat.flatten_layers(model):
+        variables = compat.own_trainable_variables(layer)
+        if not variables:
+            continue
+        block, reason = block_for(layer)
+        layer_type = type(layer).__name__
+        treated = set()
+        if block is not None:
+            blocks.append(block)
+            layers.append(layer)
+            treated = {id(v) for v in block.treated_variables(layer)}
+            detail = block.describe(block_size)
+        for variable in variables:
+            if id(variable) in treated:
+                rows.append(ReportRow(layer.name, layer_type, variable.path, detail, ""))
+            else:
+                why = reason or f"THOR preconditions the {layer_type} kernel only"
+                rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))
+    return blocks, layers, rows
+
+
+def planned_rows(blocks, block_size):
+    """The rows of an optimizer not connected to a model: the variables its blocks treat."""
+    return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
+                      block.describe(block_size), "")
+            for block in blocks for name in block.variables]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -9,7 +72,7 @@ class ThorReport:
     """Which variables THOR preconditions, which fall back to first order, and why.
 
     ``str(report)`` is a table; ``rows`` holds one
-    :class:`tf_msopt.thor.capture.ReportRow` per trainable variable of the
+    :class:`ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
     counts of inversions ``(refreshed, reused, frozen)``.

@@ -29,7 +29,7 @@ import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt.thor.capture import when
+from tf_msopt.thor.execution import global_batch, when
 
 __all__ = ["OutputDistribution", "SampledFisher", "output_distribution", "stream_key",
            "uniform"]
@@ -140,10 +140,19 @@ class SampledFisher:
 
     Layer captures call :meth:`observe` in the forward pass; the patched model ``call``
     (:meth:`wrap`) opens the tape, draws the labels and writes the statistics.
+
+    Args:
+        seed: the labels' seed.
+        step: the step counter (a variable) the labels' stream follows.
+        output_distribution: returns the :class:`OutputDistribution` to draw from (read
+            when a step is traced: the model may be compiled after it is connected).
+        is_statistics_step: returns whether this step records statistics.
     """
 
-    def __init__(self, optimizer, is_statistics_step):
-        self.optimizer, self.is_statistics_step = optimizer, is_statistics_step
+    def __init__(self, seed, step, output_distribution, is_statistics_step):
+        self.seed, self.step = seed, step
+        self.output_distribution, self.is_statistics_step = (output_distribution,
+                                                             is_statistics_step)
         self._watched = None    # [(layer, statistics, inputs, output)] in a training call
         self._tape = None
 
@@ -181,13 +190,12 @@ class SampledFisher:
         if isinstance(outputs, (list, tuple, dict)):
             raise ValueError("For 'THOR', fisher='sampled' needs a model with one output, "
                              f"but this one returns {type(outputs).__name__}.")
-        distribution = self.optimizer.fisher_output_distribution()
+        distribution = self.output_distribution()
         context = tf.distribute.get_replica_context()
-        replicas = 1 if context is None else context.num_replicas_in_sync
         replica = 0 if context is None else context.replica_id_in_sync_group
-        key = stream_key(self.optimizer.seed, self.optimizer.iterations, _LABEL_STREAM)
+        key = stream_key(self.seed, self.step, _LABEL_STREAM)
         offset = tf.cast(replica, tf.int64) * tf.size(outputs, out_type=tf.int64)  # its share
-        batch = tf.cast(tf.shape(outputs)[0] * replicas, tf.float32)
+        batch = global_batch(outputs)
         loss = distribution.sampled_loss(outputs, key, offset) / batch
         gradients = tape.gradient(loss, [entry[-1] for entry in watched])
         writes = []

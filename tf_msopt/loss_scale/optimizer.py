@@ -1,17 +1,4 @@
-"""Loss scaling: MindSpore's update cells and managers on Keras' ``LossScaleOptimizer``.
-
-- :class:`DynamicLossScaleUpdateCell`, :class:`FixedLossScaleUpdateCell`: the
-  scale-update rules of MindSpore's ``nn`` cells, callable as MindSpore calls
-  them: ``cell(loss_scale_variable, overflow) -> overflow``.
-- :class:`DynamicLossScaleManager`, :class:`FixedLossScaleManager`: MindSpore's
-  ``amp`` managers (``get_update_cell``, host-side ``update_loss_scale``).
-- :class:`LossScaleOptimizer`: a ``keras.optimizers.LossScaleOptimizer`` driven
-  by a cell, a manager or a number, with an overflow verdict shared by every
-  replica and a scale that stays in ``[1, float32 max]``.
-- :class:`LossScaleMonitor`: a callback that puts the scale and the skip
-  counters into ``fit`` logs (progress bar, ``History``, ``TensorBoard``).
-"""
-import math
+"""``LossScaleOptimizer``: Keras' loss-scale wrapper driven by MindSpore's cells and managers."""
 import numbers
 
 import keras
@@ -20,307 +7,16 @@ import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
-from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
-                                  type_name)
+from tf_msopt._validation import check_int, type_name
+from tf_msopt.loss_scale.managers import DynamicLossScaleManager, FixedLossScaleManager
+from tf_msopt.loss_scale.update_cells import (DynamicLossScaleUpdateCell,
+                                              FixedLossScaleUpdateCell, LossScaleUpdateCell,
+                                              check_loss_scale, select)
 from tf_msopt.optimizers.base import (AcceptsEmptyGradients, BuildsOnceEveryReplicaIsReady,
-                                      set_all_weights)
+                                      WrapperOfOptimizer)
 
-__all__ = [
-    "DynamicLossScaleManager",
-    "DynamicLossScaleUpdateCell",
-    "FixedLossScaleManager",
-    "FixedLossScaleUpdateCell",
-    "LossScaleMonitor",
-    "LossScaleOptimizer",
-]
+__all__ = ["LossScaleOptimizer"]
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-#: MindSpore's host-side manager gives up after this many consecutive overflows.
-_MAX_CONSECUTIVE_OVERFLOWS = 1000
-
-
-def _check_real(value, arg, owner, low, low_inclusive):
-    """A finite real number >= ``low`` (> ``low`` unless ``low_inclusive``), as ``float``."""
-    return check_number_range(check_float(value, arg, owner), arg, owner, low=low, high=math.inf,
-                              low_inclusive=low_inclusive, high_inclusive=False)
-
-
-def _check_loss_scale(value, arg, owner):
-    return _check_real(value, arg, owner, low=1.0, low_inclusive=True)
-
-
-def _check_scale_factor(value, owner):
-    return _check_real(value, "scale_factor", owner, low=0.0, low_inclusive=False)
-
-
-def _check_scale_window(value, owner):
-    return check_int(value, "scale_window", owner, min_value=1)
-
-
-# --------------------------------------------------------------------------- cells
-
-
-def _select(condition, if_true, if_false):
-    """``tf.where``, decided while tracing when ``condition`` is a Python bool."""
-    if isinstance(condition, bool):
-        return if_true if condition else if_false
-    return tf.where(condition, if_true, if_false)
-
-
-def _bounded(candidate, scale):
-    """Deviation from MindSpore: a new scale is finite and >= 1 whatever the factor."""
-    return tf.where(tf.math.is_finite(candidate), tf.maximum(candidate, 1.0), scale)
-
-
-class _LossScaleUpdateCell:
-    """Base of the update cells: a scale-update rule plus MindSpore's cell API."""
-
-    def __init__(self, loss_scale_value):
-        self.loss_scale_value = _check_loss_scale(loss_scale_value, "loss_scale_value",
-                                                  type(self).__name__)
-
-    def get_loss_scale(self):
-        """The scale the cell was created with."""
-        return self.loss_scale_value
-
-    def _next_state(self, scale, overflow, counter):
-        """One step of the rule.
-
-        Args:
-            scale: the current scale (float tensor).
-            overflow: True when this step's gradients were not finite (a bool
-                tensor, or a Python bool that selects the branch while tracing).
-            counter: int64 tensor, clean steps since the window last restarted.
-
-        Returns:
-            ``(new_scale, restart)``: the float32 scale after this step, and
-            whether the window restarts (the counter goes back to 0).
-        """
-        raise NotImplementedError
-
-    def get_config(self):
-        return {"loss_scale_value": self.loss_scale_value}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-
-@register
-class DynamicLossScaleUpdateCell(_LossScaleUpdateCell):
-    """MindSpore's dynamic loss-scale update rule (``nn.DynamicLossScaleUpdateCell``).
-
-    After each step, with ``overflow`` True when a gradient was not finite and
-    ``clean`` the number of consecutive clean steps including this one::
-
-        if overflow:                   scale = max(scale * (1/scale_factor), 1)
-        elif clean == scale_window:    scale = scale * scale_factor
-        # the window restarts on an overflow and after a growth
-
-    ``1/scale_factor`` is a float32 reciprocal, as in MindSpore. Deviation:
-    a growth that would overflow float32 keeps the scale (MindSpore's cell
-    reaches ``inf``), and the scale never goes below 1, so it stays in
-    ``[1, float32 max]``.
-
-    Called as MindSpore calls it, ``cell(loss_scale, overflow)`` assigns the new
-    scale to the ``loss_scale`` variable in place, advances the cell's own
-    ``cur_iter`` / ``last_overflow_iter`` counters and returns ``overflow``.
-    Inside :class:`LossScaleOptimizer` the rule runs on the optimizer's own
-    variables instead, so that they are saved with it.
-
-    Args:
-        loss_scale_value: the initial scale, a finite number >= 1.
-        scale_factor: the factor of each growth and each decrease, > 0.
-        scale_window: the number of consecutive clean steps before a growth, an
-            int >= 1.
-
-    Reference:
-        MindSpore ``mindspore.nn.DynamicLossScaleUpdateCell``;
-        Micikevicius et al., Mixed Precision Training, ICLR 2018
-        (arXiv:1710.03740).
-    """
-
-    def __init__(self, loss_scale_value, scale_factor, scale_window):
-        super().__init__(loss_scale_value)
-        owner = type(self).__name__
-        self.scale_factor = _check_scale_factor(scale_factor, owner)
-        self.scale_window = _check_scale_window(scale_window, owner)
-        # MindSpore multiplies by the float32 reciprocal of the factor.
-        self._inv_factor = float(np.float32(1) / np.float32(self.scale_factor))
-        # MindSpore's counters, used only when the cell is called directly.
-        self.cur_iter = tf.Variable(1, dtype=tf.int64, trainable=False, name="cur_iter")
-        self.last_overflow_iter = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                              name="last_overflow_iter")
-
-    def __call__(self, loss_scale, overflow):
-        overflow_flag = tf.cast(overflow, tf.bool)
-        cur_iter = self.cur_iter.read_value()
-        counter = cur_iter - self.last_overflow_iter - 1
-        new_scale, restart = self._next_state(loss_scale, overflow_flag, counter)
-        loss_scale.assign(tf.cast(new_scale, loss_scale.dtype))
-        self.last_overflow_iter.assign(tf.where(restart, cur_iter, self.last_overflow_iter))
-        self.cur_iter.assign_add(1)
-        return overflow
-
-    def _next_state(self, scale, overflow, counter):
-        scale = tf.cast(scale, tf.float32)
-        should_grow = tf.cast(counter, tf.int64) + 1 >= self.scale_window
-        lowered = _bounded(scale * self._inv_factor, scale)      # max(scale/factor, 1)
-        grown = _bounded(scale * self.scale_factor, scale)
-        new_scale = _select(overflow, lowered, tf.where(should_grow, grown, scale))
-        return new_scale, _select(overflow, True, should_grow)
-
-    def get_config(self):
-        return {**super().get_config(), "scale_factor": self.scale_factor,
-                "scale_window": self.scale_window}
-
-
-@register
-class FixedLossScaleUpdateCell(_LossScaleUpdateCell):
-    """MindSpore's fixed loss scale (``nn.FixedLossScaleUpdateCell``).
-
-    The scale never changes. ``cell(loss_scale, overflow)`` returns ``overflow``
-    and does nothing else; :class:`LossScaleOptimizer` still skips the update of
-    a step whose gradients are not finite, as MindSpore's training cell does.
-
-    Args:
-        loss_scale_value: the scale, a finite number >= 1.
-
-    Reference:
-        MindSpore ``mindspore.nn.FixedLossScaleUpdateCell``.
-    """
-
-    def __call__(self, loss_scale, overflow):
-        return overflow
-
-    def _next_state(self, scale, overflow, counter):
-        # The counter then counts clean steps since the last overflow.
-        return tf.cast(scale, tf.float32), overflow
-
-
-# ------------------------------------------------------------------------ managers
-
-
-@register
-class FixedLossScaleManager:
-    """MindSpore's ``amp.FixedLossScaleManager``: a constant loss scale.
-
-    With ``drop_overflow_update=True`` a step whose gradients are not finite is
-    skipped; with ``False`` the gradients are never checked and every step is
-    applied (MindSpore then trains with a plain ``TrainOneStepCell``).
-
-    Args:
-        loss_scale: the scale, a finite number >= 1.
-        drop_overflow_update: whether to skip steps that overflow.
-
-    Reference:
-        MindSpore ``mindspore.amp.FixedLossScaleManager``.
-    """
-
-    def __init__(self, loss_scale=128.0, drop_overflow_update=True):
-        owner = type(self).__name__
-        self.loss_scale = _check_loss_scale(loss_scale, "loss_scale", owner)
-        self.drop_overflow_update = check_bool(drop_overflow_update, "drop_overflow_update",
-                                               owner)
-
-    def get_loss_scale(self):
-        return self.loss_scale
-
-    def get_drop_overflow_update(self):
-        return self.drop_overflow_update
-
-    def update_loss_scale(self, overflow):
-        """Host-side update: a fixed scale never changes."""
-
-    def get_update_cell(self):
-        """A :class:`FixedLossScaleUpdateCell`, or ``None`` when overflows are not dropped."""
-        if not self.drop_overflow_update:
-            return None
-        return FixedLossScaleUpdateCell(self.loss_scale)
-
-    def get_config(self):
-        return {"loss_scale": self.loss_scale, "drop_overflow_update": self.drop_overflow_update}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-
-@register
-class DynamicLossScaleManager:
-    """MindSpore's ``amp.DynamicLossScaleManager``: the dynamic rule, host side.
-
-    ``get_update_cell()`` returns a :class:`DynamicLossScaleUpdateCell` that
-    starts from the manager's current scale; that is what
-    :class:`LossScaleOptimizer` uses. ``update_loss_scale(overflow)`` runs the
-    same rule on the host (Python floats)::
-
-        if overflow: scale = max(scale / scale_factor, 1)
-        elif (cur_iter - last_overflow_iter) % scale_window == 0: scale *= scale_factor
-
-    and raises ``RuntimeError`` on the 1001st consecutive overflow. Deviation:
-    a growth past float32's largest value keeps the scale.
-
-    Args:
-        init_loss_scale: the initial scale, a finite number >= 1.
-        scale_factor: the factor of each growth and each decrease, > 0.
-        scale_window: the number of consecutive clean steps before a growth, an
-            int >= 1.
-
-    Reference:
-        MindSpore ``mindspore.amp.DynamicLossScaleManager``.
-    """
-
-    def __init__(self, init_loss_scale=2**24, scale_factor=2, scale_window=2000):
-        owner = type(self).__name__
-        self.init_loss_scale = _check_loss_scale(init_loss_scale, "init_loss_scale", owner)
-        self.scale_window = _check_scale_window(scale_window, owner)
-        self.scale_factor = _check_scale_factor(scale_factor, owner)
-        self.loss_scale = self.init_loss_scale
-        self.cur_iter = 1
-        self.last_overflow_iter = 0
-        self.bad_step = 0
-
-    def get_loss_scale(self):
-        return self.loss_scale
-
-    def get_drop_overflow_update(self):
-        return True
-
-    def update_loss_scale(self, overflow):
-        """Host-side update of :meth:`get_loss_scale` after a step."""
-        if overflow:
-            self.loss_scale = max(self.loss_scale / self.scale_factor, 1.0)
-            self.last_overflow_iter = self.cur_iter
-            self.bad_step += 1
-        else:
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
-                grown = self.loss_scale * self.scale_factor
-                if grown <= _FLOAT32_MAX:
-                    self.loss_scale = grown
-            self.bad_step = 0
-        if self.bad_step > _MAX_CONSECUTIVE_OVERFLOWS:
-            raise RuntimeError(
-                f"Dynamic loss scale: {self.bad_step} consecutive overflows, more than the "
-                f"maximum of {_MAX_CONSECUTIVE_OVERFLOWS}. The loss or its gradients are not "
-                f"finite even at scale {self.loss_scale}."
-            )
-        self.cur_iter += 1
-
-    def get_update_cell(self):
-        """A :class:`DynamicLossScaleUpdateCell` starting from the current scale."""
-        return DynamicLossScaleUpdateCell(self.loss_scale, self.scale_factor, self.scale_window)
-
-    def get_config(self):
-        return {"init_loss_scale": self.init_loss_scale, "scale_factor": self.scale_factor,
-                "scale_window": self.scale_window}
-
-    @classmethod
-    def from_config(cls, config):
-        return cls(**config)
-
-
-# ----------------------------------------------------------------------- optimizer
 
 _Managers = (DynamicLossScaleManager, FixedLossScaleManager)
 _Scalars = (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, np.generic)
@@ -328,7 +24,7 @@ _Scalars = (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, np.generic)
 
 def _resolve_scale_sense(scale_sense, owner):
     """``(scale_sense to keep, update cell or None, initial scale)`` of a scale_sense."""
-    if isinstance(scale_sense, _LossScaleUpdateCell):
+    if isinstance(scale_sense, LossScaleUpdateCell):
         return scale_sense, scale_sense, scale_sense.get_loss_scale()
     if isinstance(scale_sense, _Managers):
         return scale_sense, scale_sense.get_update_cell(), scale_sense.get_loss_scale()
@@ -340,7 +36,7 @@ def _resolve_scale_sense(scale_sense, owner):
         if np.issubdtype(array.dtype, np.number) and array.dtype != bool:
             scale_sense = array.reshape(()).item()
     if isinstance(scale_sense, numbers.Real) and not isinstance(scale_sense, bool):
-        value = _check_loss_scale(scale_sense, "scale_sense", owner)
+        value = check_loss_scale(scale_sense, "scale_sense", owner)
         return value, FixedLossScaleUpdateCell(value), value
     raise TypeError(
         f"For '{owner}', the 'scale_sense' must be a DynamicLossScaleUpdateCell, "
@@ -360,8 +56,8 @@ def _unscale(grad, inv_scale):
 
 
 @register
-class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
-                         compat.LossScaleOptimizer):
+class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
+                         AcceptsEmptyGradients, compat.LossScaleOptimizer):
     """Loss scaling with MindSpore's cells and managers, on Keras' ``LossScaleOptimizer``.
 
     Each step (``fit`` scales the loss with :meth:`scale_loss`; a custom loop
@@ -450,7 +146,7 @@ class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
             )
         if scale_sense is None:   # Keras' form: its dynamic rule (factor 2) and defaults
             scale_sense = DynamicLossScaleUpdateCell(
-                _check_loss_scale(2.0**15 if initial_scale is None else initial_scale,
+                check_loss_scale(2.0**15 if initial_scale is None else initial_scale,
                                   "initial_scale", owner),
                 2,
                 check_int(2000 if dynamic_growth_steps is None else dynamic_growth_steps,
@@ -475,14 +171,6 @@ class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
         link = getattr(inner_optimizer, "link_loss_scale_optimizer", None)
         if link is not None:
             link(self)
-
-    def set_weights(self, weights):
-        """Sets every value of :attr:`variables`: its own and the inner optimizer's."""
-        set_all_weights(self, weights)
-
-    def exclude_from_weight_decay(self, var_list=None, var_names=None):
-        """Excludes variables from the inner optimizer's weight decay (it has the decay)."""
-        self.inner_optimizer.exclude_from_weight_decay(var_list=var_list, var_names=var_names)
 
     def build(self, var_list):
         if self.built:
@@ -579,7 +267,7 @@ class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
         scale, restart = self._update_cell._next_state(
             tf.convert_to_tensor(self.dynamic_scale), overflow, counter)
         self.dynamic_scale.assign(scale)
-        self.step_counter.assign(_select(restart, tf.zeros_like(counter), counter + 1))
+        self.step_counter.assign(select(restart, tf.zeros_like(counter), counter + 1))
         self.last_step_skipped.assign(int(overflow))
         if overflow:
             self.skipped_steps.assign_add(1)
@@ -662,36 +350,3 @@ class LossScaleOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
                                                                 custom_objects=custom_objects)
         return cls(inner, scale_sense, **config)
 
-
-# ------------------------------------------------------------------------ callback
-
-
-class LossScaleMonitor(keras.callbacks.Callback):
-    """Adds the loss-scale state of the model's :class:`LossScaleOptimizer` to ``fit`` logs.
-
-    After every batch and epoch, ``logs`` gains ``loss_scale``,
-    ``last_step_skipped`` and ``skipped_steps``, so the progress bar,
-    ``History`` and ``keras.callbacks.TensorBoard`` (listed after this callback)
-    show them.
-    """
-
-    def on_train_begin(self, logs=None):
-        if not isinstance(self.model.optimizer, LossScaleOptimizer):
-            raise ValueError(
-                f"LossScaleMonitor needs a model compiled with tf_msopt.LossScaleOptimizer, but "
-                f"the optimizer is '{type_name(self.model.optimizer)}'."
-            )
-
-    def on_train_batch_end(self, batch, logs=None):
-        self._add_state(logs)
-
-    def on_epoch_end(self, epoch, logs=None):
-        self._add_state(logs)
-
-    def _add_state(self, logs):
-        optimizer = self.model.optimizer
-        if logs is None or not optimizer.built:
-            return
-        logs["loss_scale"] = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
-        logs["last_step_skipped"] = int(keras.ops.convert_to_numpy(optimizer.last_step_skipped))
-        logs["skipped_steps"] = int(keras.ops.convert_to_numpy(optimizer.skipped_steps))

@@ -70,8 +70,8 @@ def _join(products, axis):
     return products[0] if len(products) == 1 else tf.concat(products, axis=axis)
 
 
-# One plain matmul per block: on CPU a batched matmul costs about 0.2 ms more per call at
-# THOR's small shapes, and was never faster at ResNet50's (docs/performance.md).
+# One plain matmul per block: on CPU a batched matmul costs more per call at THOR's small
+# shapes, and was not faster at large ones (docs/performance.md).
 
 def covariance_blocks(rows, layout):
     """The diagonal blocks of ``rows^T rows`` (a sum over rows), ``[count, size, size]``,

@@ -1,0 +1,105 @@
+"""THOR's connection to a model: the patched layers, their statistics buffers, the sampled
+Fisher's model-level capture and the report rows, as one object.
+
+It is built from values (the surveyed layers, how statistics are measured, the step
+predicate, the sampled Fisher's seed and step counter), so the optimizer hands it
+what it needs and reads the statistics back from :attr:`ModelConnection.statistics`.
+"""
+import weakref
+
+import keras
+
+from tf_msopt.thor.capture import LayerStatistics, install, install_model
+from tf_msopt.thor.sampled_fisher import SampledFisher, output_distribution
+
+__all__ = ["ModelConnection", "matching_blocks"]
+
+
+def matching_blocks(expected, found, built):
+    """The curvature blocks of a connection: ``found`` (surveyed on the model) where the
+    optimizer has none yet (``expected`` None), else ``expected``, which they must equal."""
+    if expected is None:
+        if built:
+            raise ValueError("For 'THOR', the optimizer was built without layer specs; "
+                             "create it with tf_msopt.thor(model, ...) instead.")
+        return tuple(found)
+    if list(found) != list(expected):
+        raise ValueError(
+            f"For 'THOR', the model's layers do not match the layers this optimizer was "
+            f"created for.\n  optimizer: {[b.get_config() for b in expected]}\n"
+            f"  model:     {[b.get_config() for b in found]}"
+        )
+    return expected
+
+
+class ModelConnection:
+    """Patches ``model``'s treated ``layers`` to capture their curvature statistics.
+
+    Args:
+        model: the model (held weakly); its ``train_function`` is reset so that the next
+            step is traced with the capture.
+        blocks, layers, rows: what :func:`tf_msopt.thor.report.survey` found.
+        block_size, weight_sharing: how the statistics are measured.
+        batch_size: the global batch size until one is observed.
+        is_statistics_step: returns whether this step records statistics.
+        strategy: the distribution strategy the buffers are created under.
+        sampled_seed: the seed of the sampled Fisher's labels; None for the empirical
+            Fisher.
+        step: the step counter the sampled labels follow.
+        fisher_distribution: the :class:`~tf_msopt.thor.sampled_fisher.OutputDistribution`
+            the sampled Fisher draws from; None reads it off the model's compiled loss.
+    """
+
+    def __init__(self, model, blocks, layers, rows, *, block_size, weight_sharing, batch_size,
+                 is_statistics_step, strategy, sampled_seed=None, step=None,
+                 fisher_distribution=None):
+        self.model = weakref.ref(model)
+        self.layers, self.rows = layers, rows
+        self.fisher_distribution = fisher_distribution
+        with strategy.scope():
+            self.statistics = [LayerStatistics(block, block_size, weight_sharing)
+                               for block in blocks if block.has_factors]
+            self.batch = keras.Variable(float(batch_size), dtype="float32", trainable=False,
+                                        autocast=False, name="global_batch")
+        sampled = (None if sampled_seed is None else SampledFisher(
+            sampled_seed, step, self.output_distribution, is_statistics_step))
+        buffers = iter(self.statistics)
+        for block, layer in zip(blocks, layers):
+            install(layer, block, next(buffers) if block.has_factors else None, self.batch,
+                    is_statistics_step, sampled)
+        install_model(model, sampled)
+        if getattr(model, "train_function", None) is not None:
+            model.train_function = None    # traced without the capture: trace again
+
+    def buffers(self):
+        """Every capture buffer: the global batch, then each layer's A, G and row count."""
+        return [self.batch] + [buffer for layer in self.statistics
+                               for buffer in (layer.a, layer.g, layer.rows)]
+
+    def variable_rules(self, blocks, factored, count, index_of):
+        """Per index of the ``count`` trainable variables: for the variables of the treated
+        layers, the entry of ``factored`` (one per layer with factors, in order) or the
+        block (other layers); None for the others. ``index_of(variable)`` gives a variable's
+        index, or None (matched by object: paths change when a model is loaded)."""
+        rules = [None] * count
+        factored = iter(factored)
+        for block, layer in zip(blocks, self.layers):
+            rule = next(factored) if block.has_factors else block
+            for variable in block.treated_variables(layer):
+                index = index_of(variable)
+                if index is not None:
+                    rules[index] = rule
+        return rules
+
+    def output_distribution(self):
+        """The output distribution of the sampled Fisher: ``fisher_distribution``, or the
+        one the model's compiled loss implies."""
+        if self.fisher_distribution is not None:
+            return self.fisher_distribution
+        loss = getattr(self.model(), "loss", None)
+        if loss is None:
+            raise ValueError(
+                "For 'THOR', fisher='sampled' needs the model's loss to know its output "
+                "distribution: compile the model with it, or call "
+                "optimizer.set_fisher_loss(loss) before a custom training loop.")
+        return output_distribution(loss)

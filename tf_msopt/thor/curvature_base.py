@@ -1,0 +1,245 @@
+"""The base of THOR's curvature blocks: the per-layer classes and their registry.
+
+A curvature block owns, for one layer: which of its variables it treats, how the
+layer's statistics are read off its input and output gradient, the shapes of its
+factors, how they are damped and inverted, and how a gradient is preconditioned.
+The layer kinds are in :mod:`tf_msopt.thor.curvature_blocks`; adding one is one
+new class decorated with :func:`register` (the registry maps Keras layer types to
+blocks; the first registered class whose ``layer_types`` match wins).
+
+Statistics are sums over rows (the estimator divides by the summed row count):
+``a = sum(x x^T)`` over the rows of the kernel's input, ``g = sum(delta delta^T)``
+over the rows of the pre-activation output gradient.
+"""
+import dataclasses
+from typing import ClassVar
+
+import tensorflow as tf
+
+from tf_msopt import _keras_compat as compat
+from tf_msopt.thor.block_diagonal import (BlockLayout, covariance_blocks, left_multiply,
+                                          right_multiply, robust_inverses)
+
+__all__ = ["CurvatureBlock", "KroneckerBlock", "Preconditioning", "REGISTRY", "as_rows",
+           "block_for", "from_config", "register"]
+
+REGISTRY = {}
+
+
+def register(cls):
+    """Class decorator: makes ``cls`` the block of its ``layer_types`` (under ``cls.kind``)."""
+    REGISTRY[cls.kind] = cls
+    return cls
+
+
+def block_for(layer):
+    """``(block, None)`` for a layer THOR treats, or ``(None, reason)``."""
+    for cls in REGISTRY.values():
+        base = next((t for t in cls.layer_types if isinstance(layer, t)), None)
+        if base is None:
+            continue
+        reason = cls.refusal(layer, base)
+        return (None, reason) if reason else (cls.from_layer(layer), None)
+    return None, f"no THOR rule for {type(layer).__name__} layers"
+
+
+def from_config(config):
+    config = dict(config)
+    cls = REGISTRY[config.pop("kind")]
+    return cls(**{key: tuple(value) if isinstance(value, list) else value
+                  for key, value in config.items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Preconditioning:
+    """What a block may need to precondition a gradient (read once per variable)."""
+
+    a_inverse: object = None
+    g_inverse: object = None
+    batch: object = None
+    damping: object = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CurvatureBlock:
+    """One layer THOR treats with a rule of its own; serialised in the optimizer's config.
+
+    Attributes:
+        layer: the layer's name.
+        variables: names (within the layer) of the variables the rule treats.
+    """
+
+    layer: str
+    variables: tuple
+
+    kind: ClassVar[str] = ""
+    layer_types: ClassVar[tuple] = ()
+    rule: ClassVar[str] = ""
+    has_factors: ClassVar[bool] = True
+
+    @classmethod
+    def refusal(cls, layer, base):
+        """Why ``layer`` (an instance of ``base``) falls back to first order, or None."""
+        if type(layer).call is not base.call:
+            return f"{type(layer).__name__} overrides call(), so its statistics are unknown"
+        if getattr(layer, "quantization_mode", None) is not None:
+            return f"quantized layer ({layer.quantization_mode})"
+        if getattr(layer, "lora_enabled", False):
+            return "LoRA is enabled (the kernel is not the trained weight)"
+        return None
+
+    @classmethod
+    def from_layer(cls, layer):
+        raise NotImplementedError
+
+    def treated_variables(self, layer):
+        return [v for v in compat.own_trainable_variables(layer) if v.name in self.variables]
+
+    def get_config(self):
+        config = dataclasses.asdict(self)
+        config = {k: list(v) if isinstance(v, tuple) else v for k, v in config.items()}
+        return dict(config, kind=self.kind)
+
+    def describe(self, block_size):
+        return self.rule
+
+    # --- capture
+
+    def capture(self, layer, call, observe, inputs, *args, **kwargs):
+        """Runs ``call`` with the output that gets observed passed through ``observe``."""
+        raise NotImplementedError
+
+    # --- factors (blocks with ``has_factors``)
+
+    def factor_shapes(self, block_size):
+        """Shapes of ``(a, g)``: the statistics buffers and the inverses alike."""
+        raise NotImplementedError
+
+    def statistics(self, layer, inputs, delta, block_size):
+        """``(a, g, rows)`` of one call: sums over rows."""
+        raise NotImplementedError
+
+    def inversion_factors(self, a, g, damping, previous, block_size):
+        """``[(statistics, damping, previous)]`` of the factors to invert, from mean
+        statistics ``(a, g)``, ``damping = (d_A, d_G)`` and the ``previous`` inverses
+        (for :func:`tf_msopt.thor.block_diagonal.robust_inverses`: several layers' factors are
+        inverted together)."""
+        raise NotImplementedError
+
+    def invert(self, a, g, damping, previous, block_size):
+        """New ``(a_inverse, g_inverse)`` of this layer alone, and the counts of blocks that
+        were retried and that kept their ``previous`` inverse."""
+        inverses, retried, kept = robust_inverses(
+            self.inversion_factors(a, g, damping, previous, block_size))
+        return tuple(inverses), retried, kept
+
+    def mean_eigenvalues(self, a, g, block_size):
+        """``(tr A / dim A, tr G / dim G)`` over real dimensions (padding excluded)."""
+        raise NotImplementedError
+
+    def damped_trace(self, a, g, damping, block_size):
+        """``tr((A + d_A I) kron (G + d_G I))``, the trace of the damped curvature the
+        inverses stand for."""
+        raise NotImplementedError
+
+    def precondition(self, gradient, state, block_size):
+        raise NotImplementedError
+
+
+def _pre_activation_capture(layer, call, observe, inputs, *args, **kwargs):
+    """Layers that apply their activation inside ``call``: run without it, observe the
+    pre-activation output, then apply it."""
+    activation = getattr(layer, "activation", None)
+    if activation is None:
+        return observe(call(inputs, *args, **kwargs))
+    object.__setattr__(layer, "activation", None)
+    try:
+        outputs = call(inputs, *args, **kwargs)
+    finally:
+        object.__setattr__(layer, "activation", activation)
+    return activation(observe(outputs))
+
+
+def _trace(factor):
+    """Sum of the diagonal of a factor kept as blocks ``[count, n, n]`` or as a diagonal."""
+    diagonal = factor if factor.shape.rank == 1 else tf.linalg.diag_part(factor)
+    return tf.reduce_sum(diagonal)
+
+
+def as_rows(tensor, width):
+    """``tensor`` as float32 ``[rows, width]``."""
+    return tf.reshape(tf.cast(tensor, tf.float32), [-1, width])
+
+
+@dataclasses.dataclass(frozen=True)
+class KroneckerBlock(CurvatureBlock):
+    """A kernel viewed as a matrix ``(a_dim, g_dim)``, preconditioned ``A^-1 g G^-1`` with
+    factors split into diagonal blocks of ``block_size``."""
+
+    a_dim: int = 0
+    g_dim: int = 0
+
+    def a_layout(self, block_size):
+        return BlockLayout.of(self.a_dim, block_size)
+
+    def g_layout(self, block_size):
+        return BlockLayout.of(self.g_dim, block_size)
+
+    def factor_shapes(self, block_size):
+        return self.a_layout(block_size).shape, self.g_layout(block_size).shape
+
+    def describe(self, block_size):
+        return (f"{self.rule}; A {self.a_dim}x{self.a_dim} in {self.a_layout(block_size).count} "
+                f"block(s), G {self.g_dim}x{self.g_dim} in "
+                f"{self.g_layout(block_size).count} block(s)")
+
+    def capture(self, layer, call, observe, inputs, *args, **kwargs):
+        return _pre_activation_capture(layer, call, observe, inputs, *args, **kwargs)
+
+    def input_rows(self, layer, inputs):
+        """``[rows, a_dim]``: the kernel's input, one row per use of the kernel."""
+        return as_rows(inputs, self.a_dim)
+
+    def output_rows(self, layer, delta):
+        """``[rows, g_dim]``: the output gradient, rows in any order."""
+        return as_rows(delta, self.g_dim)
+
+    def statistics(self, layer, inputs, delta, block_size):
+        delta_rows = self.output_rows(layer, delta)
+        a = self.input_statistics(self.input_rows(layer, inputs), block_size)
+        g = covariance_blocks(delta_rows, self.g_layout(block_size))
+        return a, g, tf.cast(tf.shape(delta_rows)[0], tf.float32)
+
+    def input_statistics(self, rows, block_size):
+        return covariance_blocks(rows, self.a_layout(block_size))
+
+    def inversion_factors(self, a, g, damping, previous, block_size):
+        return [(self.padded_a(a, block_size), damping[0], previous[0]),
+                (self.g_layout(block_size).with_padding_identity(g), damping[1], previous[1])]
+
+    def padded_a(self, a, block_size):
+        return self.a_layout(block_size).with_padding_identity(a)
+
+    def mean_eigenvalues(self, a, g, block_size):
+        # Statistics are zero on padded positions (the 1s are added when inverting).
+        return (_trace(a) / self.a_layout(block_size).dim,
+                _trace(g) / self.g_layout(block_size).dim)
+
+    def damped_trace(self, a, g, damping, block_size):
+        a_dim, g_dim = self.a_layout(block_size).dim, self.g_layout(block_size).dim
+        return (_trace(a) + damping[0] * a_dim) * (_trace(g) + damping[1] * g_dim)
+
+    def kernel_matrix(self, gradient):
+        return tf.reshape(gradient, [self.a_dim, self.g_dim])
+
+    def kernel_from_matrix(self, matrix, gradient):
+        return tf.reshape(matrix, tf.shape(gradient))
+
+    def precondition(self, gradient, state, block_size):
+        matrix = self.left_precondition(self.kernel_matrix(gradient), state.a_inverse,
+                                        block_size)
+        matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size))
+        return self.kernel_from_matrix(matrix, gradient)
+
+    def left_precondition(self, matrix, a_inverse, block_size):
+        return left_multiply(a_inverse, self.a_layout(block_size), matrix)

@@ -1,0 +1,241 @@
+"""THOR's curvature estimator: the layers' curvature state, its averages and inversions.
+
+The estimator owns one :class:`LayerCurvature` per layer with Kronecker factors: its
+inverses and, with the options that need them, the moving averages of its statistics
+and the trace rule's state. Each step the optimizer hands it the statistics its
+layers captured (per replica), the damping and the scale of ``G``; the estimator
+sums them over replicas (one all-reduce per bucket), updates the averages, applies
+the trace rule and recomputes the inverses on the steps the optimizer's schedule
+says. It reads nothing back from the optimizer.
+"""
+import dataclasses
+
+import tensorflow as tf
+
+from tf_msopt._common import tf_variable
+from tf_msopt.thor.block_diagonal import robust_inverses
+from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning
+from tf_msopt.thor.execution import TracedOnce, buckets, on_each_device, sum_over_replicas, when
+
+__all__ = ["CurvatureEstimator", "LayerCurvature"]
+
+
+def _identity_blocks(shape, dtype=None):
+    if len(shape) == 1:
+        return tf.ones(shape, dtype)
+    return tf.eye(shape[-1], batch_shape=[shape[0]], dtype=dtype)
+
+
+def _assign(variable, value):
+    tf_variable(variable).assign(value)
+
+
+def _assign_add(variable, value):
+    tf_variable(variable).assign_add(tf.cast(value, variable.dtype))
+
+
+@dataclasses.dataclass
+class LayerCurvature:
+    """The curvature state of one layer with Kronecker factors (optimizer variables).
+
+    Attributes:
+        block: the layer's curvature block.
+        a_inverse, g_inverse: the inverses of its damped factors.
+        a_average, g_average, count: with ``statistics_decay``, the moving averages of
+            ``A`` and ``G`` and how many updates they have had.
+        trace, trace_decisions: with ``trace_thresholds``, the trace of the last
+            inversion and the counts of ``(refreshed, reused, frozen)`` inversions.
+    """
+
+    block: CurvatureBlock
+    a_inverse: object
+    g_inverse: object
+    a_average: object = None
+    g_average: object = None
+    count: object = None
+    trace: object = None
+    trace_decisions: object = None
+
+    def inverses(self):
+        return tf.convert_to_tensor(self.a_inverse), tf.convert_to_tensor(self.g_inverse)
+
+    def precondition(self, gradient, block_size):
+        """The block's preconditioned ``gradient`` with the current inverses."""
+        a_inverse, g_inverse = self.inverses()
+        return self.block.precondition(
+            gradient, Preconditioning(a_inverse=a_inverse, g_inverse=g_inverse), block_size)
+
+
+class CurvatureEstimator:
+    """Curvature state and its updates for the factored layers among ``blocks``.
+
+    Args:
+        blocks: the curvature blocks of the treated layers (those without factors are
+            skipped).
+        options: the optimizer's :class:`~tf_msopt.thor.options.ThorOptions`
+            (``block_size``, ``split_indices``, ``damping_mode``, ``statistics_decay``,
+            ``trace_thresholds``).
+        is_inverse_step: returns whether this step recomputes the inverses (a bool
+            tensor, or the Python ``True``); called while a step is traced.
+    """
+
+    def __init__(self, blocks, options, is_inverse_step):
+        self.blocks = tuple(block for block in blocks if block.has_factors)
+        self.options = options
+        self.is_inverse_step = is_inverse_step
+        self.layers = []
+        self.damping_retries = self.failed_inverses = None
+        self.traced_refresh = TracedOnce(self._refresh_bucket)
+
+    # --- state
+
+    def build_layers(self, add_variable):
+        """Creates each layer's state with ``add_variable(shape, initializer, name, dtype)``
+        (the optimizer's), in the order checkpoints hold it."""
+        options = self.options
+        for block in self.blocks:
+            a_shape, g_shape = block.factor_shapes(options.block_size)
+            layer = LayerCurvature(
+                block, add_variable(a_shape, _identity_blocks, f"{block.layer}_a_inverse"),
+                add_variable(g_shape, _identity_blocks, f"{block.layer}_g_inverse"))
+            if options.statistics_decay is not None:
+                layer.a_average = add_variable(a_shape, "zeros", f"{block.layer}_a_average")
+                layer.g_average = add_variable(g_shape, "zeros", f"{block.layer}_g_average")
+                layer.count = add_variable((), "zeros", f"{block.layer}_statistics_count")
+            if options.trace_thresholds is not None:
+                layer.trace = add_variable((), "zeros", f"{block.layer}_trace")
+                # (refreshed, reused, frozen) inversions
+                layer.trace_decisions = add_variable((3,), "zeros",
+                                                     f"{block.layer}_trace_decisions", "int64")
+            self.layers.append(layer)
+
+    def build_counters(self, add_variable):
+        """Creates the counts of blocks whose inversion was retried and that kept their
+        previous inverse (after the optimizer's own variables, as checkpoints hold them)."""
+        self.damping_retries = add_variable((), "zeros", "damping_retries", "int64")
+        self.failed_inverses = add_variable((), "zeros", "failed_inverses", "int64")
+
+    def trace_decisions(self):
+        """``{layer name: (refreshed, reused, frozen)}`` with ``trace_thresholds``."""
+        return {layer.block.layer: tuple(int(n) for n in layer.trace_decisions.numpy())
+                for layer in self.layers if layer.trace_decisions is not None}
+
+    # --- the update
+
+    def update(self, distribution, statistics, damping, g_scale, is_statistics_step):
+        """Sums this replica's ``statistics`` (``(a, g, rows)`` per layer) over replicas and
+        updates the averages and inverses, where ``is_statistics_step`` holds (cross-replica
+        context). ``damping`` is ``sqrt(lambda)``, ``g_scale`` what ``G`` is multiplied by."""
+        if not statistics:
+            return
+
+        def refresh():
+            for bucket in buckets(len(statistics), self.options.split_indices):
+                first = self.layers[bucket[0]].a_inverse
+                reduced = sum_over_replicas(
+                    distribution, [value for index in bucket for value in statistics[index]],
+                    first)
+                summed = [reduced[3 * offset:3 * offset + 3] for offset in range(len(bucket))]
+                on_each_device(distribution, first, self.traced_refresh,
+                               (bucket, summed, damping, g_scale))
+            return tf.constant(True)
+
+        when(is_statistics_step, refresh)
+
+    def _refresh_bucket(self, device_variable, bucket, statistics, damping, g_scale):
+        """One bucket's layers on one device, from statistics summed over replicas: the
+        moving averages (with ``statistics_decay``), then new inverses on inverse steps.
+        ``device_variable`` (the bucket's first A inverse there) only says which device."""
+        decay = self.options.statistics_decay
+        fresh = []
+        for index, (a, g, rows) in zip(bucket, statistics):
+            observed = rows > 0
+            rows = tf.maximum(rows, 1.0)
+            a, g = a / rows, g / rows * g_scale
+            if decay is None:
+                fresh.append((self.layers[index], a, g, observed))
+            else:
+                self._update_averages(self.layers[index], a, g, observed)
+        if decay is None:   # statistics steps are inverse steps
+            return self._invert(fresh, damping)
+        # The bias-corrected averages are read only where they are inverted.
+        return when(self.is_inverse_step(), lambda: self._invert(
+            [self._corrected_averages(self.layers[index]) for index in bucket], damping))
+
+    def _update_averages(self, layer, a, g, observed):
+        """Updates one layer's moving averages of A and G and its count of updates."""
+        beta = self.options.statistics_decay
+        # A step whose statistics are not finite leaves the averages alone.
+        update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
+            tf.math.is_finite(g))
+        for average, value in ((layer.a_average, a), (layer.g_average, g)):
+            _assign(average, tf.where(update, beta * average + (1.0 - beta) * value, average))
+        _assign_add(layer.count, update)
+
+    def _corrected_averages(self, layer):
+        """``(layer, A, G, observed)`` from its bias-corrected moving averages; observed once
+        anything is averaged."""
+        count = tf.convert_to_tensor(layer.count)
+        correction = 1.0 - tf.pow(tf.constant(self.options.statistics_decay),
+                                  tf.maximum(count, 1.0))
+        return (layer, tf.convert_to_tensor(layer.a_average) / correction,
+                tf.convert_to_tensor(layer.g_average) / correction, count > 0)
+
+    def _layer_damping(self, block, a, g, damping):
+        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or split by the factors' traces."""
+        if self.options.damping_mode == "sqrt":
+            return damping, damping
+        a_mean, g_mean = block.mean_eigenvalues(a, g, self.options.block_size)
+        pi = tf.sqrt(tf.math.divide_no_nan(a_mean, g_mean))
+        pi = tf.where((pi > 0) & tf.math.is_finite(pi), pi, 1.0)
+        return damping * pi, damping / pi
+
+    def _invert(self, fresh, damping):
+        """New inverses for ``fresh`` (``(layer, a, g, observed)``), where ``observed`` and
+        the trace rule (if any) say so."""
+        fresh = [(layer, a, g, observed, self._layer_damping(layer.block, a, g, damping))
+                 for layer, a, g, observed in fresh]
+        if self.options.trace_thresholds is None:
+            self._assign_inverses(fresh)
+            return tf.constant(True)
+        for layer, a, g, observed, layer_damping in fresh:
+            refresh = self._trace_rule(layer, layer.block.damped_trace(
+                a, g, layer_damping, self.options.block_size), observed)
+            inversion = (layer, a, g, refresh, layer_damping)
+            # The rule exists to save the inversion: skip it, not only its result.
+            tf.cond(refresh, lambda inversion=inversion: self._assign_inverses([inversion]),
+                    lambda: tf.constant(False))
+        return tf.constant(True)
+
+    def _assign_inverses(self, inversions):
+        """Inverts every factor of ``inversions`` (``(layer, a, g, use, damping)``; blocks of
+        one size in one call) and assigns them where ``use`` holds."""
+        factors, use = [], []
+        for layer, a, g, used, layer_damping in inversions:
+            factors += layer.block.inversion_factors(a, g, layer_damping, layer.inverses(),
+                                                     self.options.block_size)
+            use += [used, used]
+        inverses, retried, kept = robust_inverses(factors, use)
+        inverses = iter(inverses)
+        for layer, *_ in inversions:
+            _assign(layer.a_inverse, next(inverses))
+            _assign(layer.g_inverse, next(inverses))
+        _assign_add(self.damping_retries, retried)
+        _assign_add(self.failed_inverses, kept)
+        return tf.constant(True)
+
+    def _trace_rule(self, layer, trace, observed):
+        """THOR's per-layer rule; returns whether to invert, counts the decision."""
+        omega1, omega2 = self.options.trace_thresholds
+        previous, decisions = layer.trace, layer.trace_decisions
+        frozen = decisions[2] > 0
+        change = tf.math.divide_no_nan(tf.abs(tf.abs(trace) - tf.abs(previous)),
+                                       tf.abs(previous))
+        first = tf.equal(previous, 0.0)
+        refresh = observed & ~frozen & (first | (change > omega1))
+        freeze = observed & ~frozen & ~first & (change <= omega2)
+        reuse = observed & ~frozen & ~refresh & ~freeze
+        _assign_add(decisions, tf.cast(tf.stack([refresh, reuse, freeze | (
+            observed & frozen)]), tf.int64))
+        _assign(previous, tf.where(observed & ~frozen, trace, previous))
+        return refresh

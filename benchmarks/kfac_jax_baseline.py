@@ -1,4 +1,4 @@
-"""K-FAC baseline for benchmarks/convergence.py: its three models trained with kfac-jax.
+"""K-FAC baseline for benchmarks/convergence.py: its models trained with kfac-jax.
 
 Only used when ``import kfac_jax`` succeeds; nothing in ``tf_msopt`` needs JAX.
 Install beside tensorflow 2.21 / keras 3.15::
@@ -20,6 +20,8 @@ What it trains (``MODELS``): the ``mlp`` and ``cnn`` of
 written as plain JAX functions:
 
 * mlp: 64 standardised features -> Dense(64, relu) -> Dense(64, relu) -> Dense(10).
+* mnist_mlp: the same network on 784 features, Dense(256, relu) -> Dense(128, relu)
+  -> Dense(10) (``convergence.make_mnist_mlp``).
 * cnn: (8, 8, 1) images -> Conv2D(16, 3, same, relu) -> Conv2D(32, 3, stride 2,
   same, relu) -> Flatten -> Dense(64, relu) -> Dense(10). The convolutions are
   ``jax.lax.conv_general_dilated`` in NHWC / HWIO layout with ``padding="SAME"``
@@ -68,7 +70,10 @@ No kernel is left to a generic (diagonal) block, so every kernel gets Kronecker
 factors, as under THOR. (THOR leaves the positions to first order and gives the
 LayerNormalizations its own rule, so the two differ there.)
 
-The optimizer is ``kfac_jax.Optimizer`` with a fixed learning rate and damping,
+The character-level language model of convergence.py (``charlm``) has no JAX version here.
+
+The optimizer is ``kfac_jax.Optimizer`` with a fixed learning rate and damping (or, with
+``adaptive=True``, kfac-jax's adaptive mode: see :func:`train_kfac_jax`),
 momentum 0.9, no L2, no norm constraint (unless asked for), no burn-in steps
 (every step sees one new batch, like Keras). How it differs from THOR
 (``tf_msopt.thor``), so the damping values of the two grids are not comparable:
@@ -111,12 +116,15 @@ import numpy as np
 
 __all__ = ["MODELS", "logits", "params_from_keras", "train_kfac_jax"]
 
-MODELS = ("mlp", "cnn", "mnist1d", "transformer")
+MODELS = ("mlp", "cnn", "mnist1d", "transformer", "mnist_mlp")
 MOMENTUM = 0.9
+# kfac-jax's adaptive mode needs a first damping and documents none; Martens & Grosse
+# (2015) start far higher (150) on autoencoders, where the curvature is larger.
+INITIAL_DAMPING = 1.0
 # Strides of the leading convolutions of each model (Conv2D for cnn, Conv1D for mnist1d)
 # and the number of Dense layers after them.
-_CONV_STRIDES = {"mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2)}
-_DENSE_LAYERS = {"mlp": 3, "cnn": 2, "mnist1d": 2}
+_CONV_STRIDES = {"mlp": (), "mnist_mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2)}
+_DENSE_LAYERS = {"mlp": 3, "mnist_mlp": 3, "cnn": 2, "mnist1d": 2}
 # get_weights() of convergence.make_mnist1d_transformer, in order.
 _TRANSFORMER_WEIGHTS = (
     "conv_kernel", "conv_bias", "position", "norm1_gamma", "norm1_beta",
@@ -225,9 +233,10 @@ def _accuracy(params, x, y, kind):
     return jnp.mean(jnp.argmax(logits(params, x, kind), axis=1) == y)
 
 
-def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learning_rate, damping,
-                   momentum=MOMENTUM, inverse_update_period=None, curvature_update_period=1,
-                   estimation_mode=None, norm_constraint=None, target=None, verbose=0):
+def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learning_rate=None,
+                   damping=None, momentum=MOMENTUM, inverse_update_period=None,
+                   curvature_update_period=1, estimation_mode=None, norm_constraint=None,
+                   adaptive=False, initial_damping=INITIAL_DAMPING, target=None, verbose=0):
     """Trains ``kind`` with ``kfac_jax.Optimizer``; returns the history.
 
     Args:
@@ -237,13 +246,17 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
             (n, 40, 1) sequences for ``mnist1d`` and ``transformer``).
         initial_weights: the Keras model's ``get_weights()``.
         epochs, batch_size, seed: as for the Keras runs; ``epochs`` is the most run.
-        learning_rate, damping, momentum: fixed for the whole run.
+        learning_rate, damping, momentum: fixed for the whole run (not with ``adaptive``).
         inverse_update_period: steps between inverse refreshes; None gives
             ``max(2, steps_per_epoch // 2)``, THOR's frequency in convergence.py.
         curvature_update_period: steps between curvature (factor) updates.
         estimation_mode: kfac-jax's curvature estimator; None is its default.
         norm_constraint: kfac-jax's bound on the update's approximate squared
             Fisher norm (None: no bound); 1e-3 keeps large learning rates stable.
+        adaptive: kfac-jax's adaptive mode (Martens & Grosse 2015): the learning rate and
+            momentum that minimise the quadratic model at every step, and the damping
+            adapted by Levenberg-Marquardt from the reduction ratio, starting at
+            ``initial_damping``.
         target: if given, training stops after the first epoch whose validation
             accuracy is >= ``target`` (as convergence.py's ``StopAtTarget``).
         verbose: 1 prints one line per epoch.
@@ -257,8 +270,10 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
+    if not adaptive and (learning_rate is None or damping is None):
+        raise ValueError("learning_rate and damping are needed unless adaptive=True")
     x_train, x_val, y_train, y_val = (np.asarray(a) for a in data)
-    if kind == "mlp":
+    if kind in ("mlp", "mnist_mlp"):
         x_train, x_val = x_train.reshape(len(x_train), -1), x_val.reshape(len(x_val), -1)
     elif kind == "cnn" and x_train.ndim != 4:
         raise ValueError(f"{kind}: expected images (n, height, width, channels), "
@@ -282,9 +297,10 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
     optimizer = kfac_jax.Optimizer(
         value_and_grad_func=jax.value_and_grad(functools.partial(_loss, kind=kind)),
         l2_reg=0.0,
-        use_adaptive_learning_rate=False,
-        use_adaptive_momentum=False,
-        use_adaptive_damping=False,
+        use_adaptive_learning_rate=adaptive,
+        use_adaptive_momentum=adaptive,
+        use_adaptive_damping=adaptive,
+        initial_damping=initial_damping if adaptive else None,
         norm_constraint=norm_constraint,
         num_burnin_steps=0,
         curvature_update_period=curvature_update_period,
@@ -295,9 +311,9 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
     rng = jax.random.PRNGKey(seed)
     rng, init_rng = jax.random.split(rng)
     order_rng = np.random.default_rng(seed)
-    hyper = {"learning_rate": jnp.asarray(learning_rate, jnp.float32),
-             "momentum": jnp.asarray(momentum, jnp.float32),
-             "damping": jnp.asarray(damping, jnp.float32)}
+    hyper = {} if adaptive else {"learning_rate": jnp.asarray(learning_rate, jnp.float32),
+                                 "momentum": jnp.asarray(momentum, jnp.float32),
+                                 "damping": jnp.asarray(damping, jnp.float32)}
 
     state = None
     history = {"val_accuracy": [], "loss": [], "epoch_seconds": [], "seconds": []}

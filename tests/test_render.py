@@ -1,5 +1,6 @@
 """The benchmark tables of the docs are those benchmarks/render.py renders from benchmarks/results/."""
 import json
+import math
 import os
 import shutil
 
@@ -20,7 +21,58 @@ def test_the_docs_tables_match_the_results_files():
 
 
 def test_every_results_file_is_read_by_a_table_and_every_table_file_exists():
-    assert sorted(os.listdir(RESULTS)) == render.SOURCES
+    present = set(os.listdir(RESULTS))
+    assert present <= set(render.SOURCES), sorted(present - set(render.SOURCES))
+    assert set(render.SOURCES) - set(render.OPTIONAL) <= present
+
+
+def test_a_convergence_block_not_measured_yet_names_the_command_that_measures_it(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    for name in render.OPTIONAL:
+        if (results / name).exists():
+            (results / name).unlink()
+    text = render.render_convergence_defaults(str(results))
+    assert ("not measured yet: run `python benchmarks/convergence.py --block defaults --task "
+            "charlm --rounds 3 --out benchmarks/results/convergence_charlm_defaults.json`") in text
+    assert "From" not in text
+    assert "not measured yet" in render.render_convergence_robustness(str(results))
+    assert "--block tuned --task mnist_mlp" in render.render_convergence_grids(str(results))
+
+
+def _block_file(convergence, path, block, runs, **info):
+    convergence.save_results(str(path), {"mlp": {"block": block, "target": 0.97, "seeds": [0, 1, 2],
+                                                 "max_epochs": 15, "runs": runs, **info}})
+
+
+def test_defaults_and_robustness_tables_render_a_measured_block(tmp_path):
+    convergence = render._convergence()
+    results = tmp_path / "results"
+    results.mkdir()
+
+    def setting(epochs, seconds, **params):
+        return {"params": params, "epochs": epochs, "seconds": seconds}
+
+    _block_file(convergence, results / "convergence_mlp_defaults.json", "defaults", {
+        "THOR": {"default": setting([3, 4, 3], [1.0, 1.2, 1.1])},
+        "Adam": {"default": setting([5, 6, 5], [1.5, 1.6, 1.4])},
+        "Muon": {"default": setting([4, 4, 4], [2.0, 2.0, 2.0])},
+        "SGD-momentum": {"default": setting([math.inf] * 3, [math.inf] * 3)}})
+    text = render.render_convergence_defaults(str(results))
+    row = next(line for line in text.splitlines() if line.startswith("| digits MLP"))
+    assert row == ("| digits MLP, accuracy 0.97, not re-timed | 3 (3, 4, 3), 1.10 s | "
+                   "5 (5, 6, 5), 1.50 s | 4 (4, 4, 4), 2.00 s | never in 15 | not run | "
+                   "0.75x epochs, 0.55x s of Muon |")
+    points = {f"lr x{a} damping x{b}": setting([2, 2, 2] if b != "3" else [math.inf] * 3,
+                                               [1.0] * 3, lr_scale=s)
+              for a, s in (("1/3", 1 / 3), ("1", 1.0), ("3", 3.0)) for b in ("1/3", "1", "3")}
+    _block_file(convergence, results / "convergence_mlp_robustness.json", "robustness",
+                {"THOR": points, "Adam": {f"lr x{a}": setting([4, 4, math.inf], [1.0] * 3,
+                                                             lr_scale=s)
+                                          for a, s in (("1/3", 1 / 3), ("1", 1.0), ("3", 3.0))}})
+    text = render.render_convergence_robustness(str(results))
+    assert "| digits MLP, accuracy 0.97 | THOR | 2 / 2 / - | 2 / 2 / - | 2 / 2 / - | 6 of 9 |" in text
+    assert "|  | Adam | 4 | 4 | 4 | 3 of 3 |" in text
 
 
 def test_every_table_is_on_a_page_between_its_markers():

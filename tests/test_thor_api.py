@@ -145,3 +145,56 @@ def test_connect_refuses_another_model():
         optimizer.connect(other)
     with pytest.raises(ValueError, match="no THOR optimizer"):
         mso.thor.connect(other)
+
+
+# -- the default configuration ---------------------------------------------------------------
+
+def _classifier():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.LayerNormalization(),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def test_no_hyper_parameters_give_the_default():
+    optimizer = mso.thor(_classifier())
+    config = optimizer.get_config()
+    for name, value in mso.thor.DEFAULTS.items():
+        assert config[name] == pytest.approx(value), name
+    assert config["graft"] == "adam" and config["damping_mode"] == "relative"
+    # An argument given replaces the default's entry, the rest stays.
+    changed = mso.thor(_classifier(), frequency=20, weight_decay=1e-4).get_config()
+    assert (changed["frequency"], changed["weight_decay"], changed["graft"]) == (20, 1e-4, "adam")
+    scaled = mso.thor(_classifier(), **{**mso.thor.DEFAULTS, "learning_rate": 0.05})
+    ignored = ("name", "layers", "learning_rate")
+    assert scaled.get_config()["learning_rate"] == pytest.approx(0.05)
+    assert ({k: v for k, v in scaled.get_config().items() if k not in ignored}
+            == {k: v for k, v in config.items() if k not in ignored})
+
+
+def test_mindspore_arguments_give_mindspore_thor():
+    config = mso.thor(_classifier(), 0.1, 0.03, 0.9).get_config()
+    assert (config["frequency"], config["graft"], config["damping_mode"]) == (100, None, "sqrt")
+    for given in (dict(learning_rate=0.1), dict(learning_rate=0.1, damping=0.03),
+                  dict(momentum=0.9)):
+        with pytest.raises(TypeError, match="together") as error:
+            mso.thor(_classifier(), **given)
+        for name in {"learning_rate", "damping", "momentum"} - set(given):
+            assert repr(name) in str(error.value)
+
+
+def test_bad_graft_names_the_argument():
+    with pytest.raises(ValueError, match="'graft'"):
+        mso.thor(_classifier(), graft="sgd")
+
+
+def test_the_default_trains():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(256, 6)).astype("float32")
+    y = (x[:, 0] + x[:, 1] > 0).astype("int32") + (x[:, 2] > 1).astype("int32")
+    model = _classifier()
+    model.compile(optimizer=mso.thor(model), loss="sparse_categorical_crossentropy",
+                  metrics=["accuracy"])
+    history = model.fit(x, y, batch_size=32, epochs=5, verbose=0).history
+    assert history["loss"][-1] < 0.7 * history["loss"][0]
+    assert all(np.all(np.isfinite(w)) for w in model.get_weights())

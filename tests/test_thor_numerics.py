@@ -177,6 +177,9 @@ OPTION_CASES = {
                                             frequency=4)),   # inverses at 4 from steps 0, 2, 4
     "kl_clip": ("dense", dict(kl_clip=2e-3, weight_decay=0.01, use_nesterov=True)),
     "trace_rule": ("dense", dict(trace_thresholds=(0.25, 0.12))),
+    "relative_damping": ("dense", dict(damping_mode="relative")),
+    "graft": ("layer_norm", dict(graft="adam", damping_mode="relative", weight_decay=0.01)),
+    "graft_kl_clip": ("conv_same", dict(graft="adam", kl_clip=1e-3, use_nesterov=True)),
     **{f"all_{name}": (name, ALL_OPTIONS)
        for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
 }

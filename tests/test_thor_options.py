@@ -433,6 +433,8 @@ SAMPLED_ALL = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
 EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequency=2,
                      frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05),
                      weight_sharing="expand")
+#: The default's levers (Adam grafting, relative damping) with the other options on.
+GRAFTED_ALL = dict(EMPIRICAL_ALL, graft="adam", damping_mode="relative")
 
 
 def classification_data(n, seed=0):
@@ -464,10 +466,13 @@ def option_state(optimizer):
     """The options' optimizer variables, by name (paths change inside a wrapper)."""
     variables = (optimizer.a_averages + optimizer.g_averages + optimizer.statistics_counts
                  + optimizer.traces + optimizer.trace_decisions + [optimizer.kl_factor])
+    if optimizer.graft:
+        variables += optimizer._graft.second_moments
     return {v.name: v.numpy() for v in variables}
 
 
-@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL], ids=["empirical", "sampled"])
+@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL, GRAFTED_ALL],
+                         ids=["empirical", "sampled", "grafted"])
 def test_two_replicas_equal_one_device(two_cpu_strategy, options):
     """Every option under a LossScaleOptimizer: two replicas on 16 examples per step equal
     one device (the sampled Fisher's replicas draw what one device draws)."""
@@ -516,7 +521,8 @@ def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
                 want_g + math.sqrt(damping) * np.eye(len(want_g))), rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [SAMPLED_ALL, EMPIRICAL_ALL], ids=["sampled", "empirical"])
+@pytest.mark.parametrize("options", [SAMPLED_ALL, EMPIRICAL_ALL, GRAFTED_ALL],
+                         ids=["sampled", "empirical", "grafted"])
 def test_save_load_resumes_exactly(tmp_path, options):
     """Saved at a step between statistics/inverse steps, loaded and connected: the option
     state is restored and training goes on exactly as without the interruption."""
@@ -538,7 +544,8 @@ def test_save_load_resumes_exactly(tmp_path, options):
         np.testing.assert_array_equal(value, option_state(optimizer)[name], err_msg=name)
 
 
-@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL], ids=["empirical", "sampled"])
+@pytest.mark.parametrize("options", [EMPIRICAL_ALL, SAMPLED_ALL, GRAFTED_ALL],
+                         ids=["empirical", "sampled", "grafted"])
 def test_xla_update_equals_plain(options):
     """Every option on: ``jit_compile=True`` (the KL-clipped update of all variables as one
     XLA function) and an XLA-compiled train step give what the plain graph gives; with the
@@ -555,10 +562,13 @@ def test_xla_update_equals_plain(options):
 
     plain_weights, plain_state = run()
     assert plain_state["kl_factor"] < 1.0            # the clip is active
+    # Adam's step g / (sqrt(v) + eps) turns the last-bit differences of XLA's fused gradient
+    # in near-zero entries into larger relative ones (Keras' Adam does the same).
+    rtol = 1e-4 if options.get("graft") else 1e-5
     for weights, state in (run(jit_compile=True), run(xla_step=True)):
-        assert_weights_close(weights, plain_weights, rtol=1e-5)
+        assert_weights_close(weights, plain_weights, rtol=rtol)
         for name, value in plain_state.items():
-            np.testing.assert_allclose(state[name], value, rtol=1e-5, atol=1e-7, err_msg=name)
+            np.testing.assert_allclose(state[name], value, rtol=rtol, atol=1e-7, err_msg=name)
 
 
 def _mso_dynamic(optimizer):
@@ -573,7 +583,8 @@ def _keras_dynamic(optimizer):
 @pytest.mark.parametrize("options, wrappers", [
     (EMPIRICAL_ALL, (_mso_dynamic, _keras_dynamic)),
     (SAMPLED_ALL, (_mso_dynamic,)),         # the sampled G never carries the scale
-], ids=["empirical", "sampled"])
+    (GRAFTED_ALL, (_mso_dynamic, _keras_dynamic)),
+], ids=["empirical", "sampled", "grafted"])
 def test_loss_scale_optimizers_leave_g_unscaled(options, wrappers):
     """Inside tf_msopt's and Keras' LossScaleOptimizer (dynamic scales): the same averaged G,
     KL factor, trace decisions and weights as without loss scaling."""

@@ -260,7 +260,7 @@ class ThorReference:
     def __init__(self, network, learning_rate, damping, momentum, weight_decay=0.0,
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
-                 statistics_frequency=None, kl_clip=None, trace_thresholds=None):
+                 statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
@@ -272,6 +272,8 @@ class ThorReference:
             statistics_frequency = frequency if statistics_decay is None else 1
         self.statistics_frequency = statistics_frequency
         self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
+        self.graft = graft
+        self.second_moments = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses = {}
         self.averages, self.counts = {}, {}
@@ -318,10 +320,14 @@ class ThorReference:
         return a_trace, channels * a.shape[-1], g_trace, channels * g.shape[-1]
 
     def layer_damping(self, layer, a, g, root):
-        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or ``pi*sqrt(lambda)``, ``sqrt(lambda)/pi``."""
+        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, ``pi*sqrt(lambda)`` and ``sqrt(lambda)/pi``,
+        or ``sqrt(lambda)`` times each factor's mean eigenvalue ("relative")."""
         if self.damping_mode == "sqrt":
             return root, root
         a_trace, a_dim, g_trace, g_dim = self.traces_and_dims(layer, a, g)
+        if self.damping_mode == "relative":
+            return (root * (a_trace / a_dim if a_trace > 0 else 1.0),
+                    root * (g_trace / g_dim if g_trace > 0 else 1.0))
         if a_trace == 0.0 or g_trace == 0.0:
             pi = 1.0
         else:
@@ -429,6 +435,8 @@ class ThorReference:
             for key in layer.params:
                 grads[layer.name, key] = self.preconditioned(layer, key, layer.grads[key], batch,
                                                              root)
+        if self.graft == "adam":
+            self.graft_steps(grads, factored, step)
         if self.kl_clip is not None:
             size = lr ** 2 * abs(sum(np.sum(layer.grads[key] * grads[layer.name, key])
                                      for layer in factored for key in layer.params
@@ -447,11 +455,30 @@ class ThorReference:
                     grad = grad + self.weight_decay * weight
                 if self.enable_clip_grad:
                     grad = grad / max(np.linalg.norm(grad), 1.0)
+                if self.graft:
+                    grad = (1.0 - self.momentum) * grad
                 velocity = self.momentum * self.velocity[name] + grad
                 self.velocity[name] = velocity
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
                 layer.params[key] = weight - lr * update
         self.iterations += 1
+
+    def graft_steps(self, grads, factored, step, beta2=0.999, epsilon=1e-7):
+        """Adam's step length on every direction: factored kernels keep their direction,
+        every other variable takes Adam's step."""
+        for layer in self.network.layers:
+            for key in layer.params:
+                name, grad = f"{layer.name}/{key}", layer.grads[key]
+                moment = beta2 * self.second_moments[name] + (1 - beta2) * grad ** 2
+                self.second_moments[name] = moment
+                adam = grad / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
+                if layer in factored and key in ("kernel", "embeddings"):
+                    direction = grads[layer.name, key]
+                    norm = np.linalg.norm(direction)
+                    grads[layer.name, key] = (direction * np.linalg.norm(adam) / norm
+                                              if norm > 0 else 0.0 * direction)
+                else:
+                    grads[layer.name, key] = adam
 
     @staticmethod
     def depthwise_precondition(grad, *inverses):

@@ -69,25 +69,14 @@ def make_model(kind, input_shape, classes):
                              keras.layers.Dense(classes, activation="softmax")])
 
 
-# THOR's recommended configuration per model (docs/thor.md, "Choosing a configuration", from
-# benchmarks/convergence.py on these models): Dense-only models get the options that make
-# K-FAC libraries converge (damping split by traces, sampled Fisher, moving averages, KL
-# clip); convolutional ones MindSpore's update.
-THOR_SETTINGS = {
-    "mlp": dict(learning_rate=0.03, damping=0.1, damping_mode="pi", fisher="sampled",
-                statistics_decay=0.95, kl_clip=1e-3, seed=0),
-    "cnn": dict(learning_rate=0.02, damping=0.05),
-}
-
-
 def optimizer_factories(steps_per_epoch, kind="mlp"):
-    """Name -> factory(model); learning rates chosen per optimizer family on digits, THOR's
-    configuration per model ``kind``."""
+    """Name -> factory(model): THOR at its default (``tf_msopt.thor(model)``), the others at
+    learning rates chosen per optimizer family on digits. ``steps_per_epoch`` and ``kind``
+    are accepted for callers that pass them; no factory depends on them."""
     import tf_msopt as mso
 
     return {
-        "THOR": lambda model: mso.thor(model, momentum=0.9, frequency=max(2, steps_per_epoch // 2),
-                                       **THOR_SETTINGS[kind]),
+        "THOR": lambda model: mso.thor(model),
         "LARS": lambda model: mso.LARS(keras.optimizers.SGD(learning_rate=0.5, momentum=0.9),
                                        coefficient=0.01),
         "AdamOffload": lambda model: mso.AdamOffload(learning_rate=1e-3),

@@ -1,13 +1,16 @@
 """THOR: MindSpore's second-order optimizer for Keras models.
 
-``tf_msopt.thor`` is this package and can be called:
-``tf_msopt.thor(model, learning_rate, damping, momentum, ...)`` is
-:func:`tf_msopt.thor.optimizer.thor`, which creates a :class:`THOR` for a model
-and connects the capture of curvature statistics to its layers.
+``tf_msopt.thor`` is this package and can be called: ``tf_msopt.thor(model)`` (the
+default configuration, :data:`DEFAULTS`) or ``tf_msopt.thor(model, learning_rate,
+damping, momentum, ...)`` (MindSpore's THOR) is :func:`tf_msopt.thor.factory.thor`,
+which creates a :class:`THOR` for a model and connects the capture of curvature
+statistics to its layers.
 
+- ``factory.py``: :func:`thor`, :data:`DEFAULTS` and :func:`connect` (reconnects a
+  loaded model's THOR after ``load_model``);
 - ``optimizer.py``: :class:`THOR` (the schedule of steps, the preconditioned
-  momentum update, the KL clip, the config), :func:`thor` and :func:`connect`
-  (reconnects a loaded model's THOR after ``load_model``);
+  momentum update, the KL clip, the config);
+- ``grafting.py``: Adam-grafted step lengths (``graft="adam"``);
 - ``options.py``: THOR's options, checked and serialized once;
 - ``curvature_estimator.py``: each factored layer's curvature state (inverses,
   moving averages, trace rule) and its updates from the captured statistics;
@@ -30,10 +33,11 @@ import sys
 import types
 
 from tf_msopt.thor import block_diagonal as blocks  # the module's former name
-from tf_msopt.thor.optimizer import THOR, connect, thor
+from tf_msopt.thor.factory import DEFAULTS, connect, thor
+from tf_msopt.thor.optimizer import THOR
 from tf_msopt.thor.report import ThorReport
 
-__all__ = ["THOR", "ThorReport", "connect", "thor"]
+__all__ = ["DEFAULTS", "THOR", "ThorReport", "connect", "thor"]
 
 
 class _CallableModule(types.ModuleType):

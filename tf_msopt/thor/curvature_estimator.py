@@ -182,12 +182,14 @@ class CurvatureEstimator:
                 tf.convert_to_tensor(layer.g_average) / correction, count > 0)
 
     def _layer_damping(self, block, a, g, damping):
-        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, or split by the factors' traces."""
+        """``(d_A, d_G)``: ``sqrt(lambda)`` on both, split by the factors' traces ("pi"), or
+        in units of each factor's mean eigenvalue ("relative")."""
         if self.options.damping_mode == "sqrt":
             return damping, damping
         a_mean, g_mean = block.mean_eigenvalues(a, g, self.options.block_size)
-        pi = tf.sqrt(tf.math.divide_no_nan(a_mean, g_mean))
-        pi = tf.where((pi > 0) & tf.math.is_finite(pi), pi, 1.0)
+        if self.options.damping_mode == "relative":
+            return damping * _positive_or_one(a_mean), damping * _positive_or_one(g_mean)
+        pi = _positive_or_one(tf.sqrt(tf.math.divide_no_nan(a_mean, g_mean)))
         return damping * pi, damping / pi
 
     def _invert(self, fresh, damping):
@@ -239,3 +241,7 @@ class CurvatureEstimator:
             observed & frozen)]), tf.int64))
         _assign(previous, tf.where(observed & ~frozen, trace, previous))
         return refresh
+
+
+def _positive_or_one(value):
+    return tf.where((value > 0) & tf.math.is_finite(value), value, 1.0)

@@ -11,7 +11,6 @@ import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register, tf_variable
-from tf_msopt._validation import type_name
 from tf_msopt.optimizers.base import MindSporeOptimizer, make_variable_filter
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor import curvature_blocks
@@ -19,6 +18,7 @@ from tf_msopt.thor.connection import ModelConnection, matching_blocks
 from tf_msopt.thor.curvature_blocks import Preconditioning
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator, LayerCurvature
 from tf_msopt.thor.execution import on_each_device
+from tf_msopt.thor.grafting import AdamGraft
 from tf_msopt.thor.loss_scale_link import LossScaleLink
 from tf_msopt.thor.options import ThorOptions, check_keras_arguments
 from tf_msopt.thor.report import ThorReport, planned_rows, survey
@@ -95,9 +95,11 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         block_size: int or None (one block per factor); default 128.
         layers: the curvature blocks' configs (set by :func:`tf_msopt.thor`; kept in
             the config).
-        damping_mode: ``"sqrt"`` (MindSpore: ``sqrt(lambda)`` on both factors) or
+        damping_mode: ``"sqrt"`` (MindSpore: ``sqrt(lambda)`` on both factors),
             ``"pi"``: ``A + pi*sqrt(lambda) I`` and ``G + sqrt(lambda)/pi I`` with
-            ``pi = sqrt((tr A/dim A) / (tr G/dim G))`` (1 when a trace is 0).
+            ``pi = sqrt((tr A/dim A) / (tr G/dim G))`` (1 when a trace is 0), or
+            ``"relative"``: ``A + sqrt(lambda) (tr A/dim A) I`` and the same for ``G``
+            (``lambda`` in units of each factor's mean eigenvalue).
         statistics_decay: None (MindSpore: each inversion uses the statistics of
             its own step) or ``beta`` in [0, 1): ``A`` and ``G`` become moving
             averages ``m = beta*m + (1-beta)*stat``, bias-corrected by
@@ -126,11 +128,16 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             example's positions, ``G = sum_rows delta delta^T / examples``, so that
             ``A (x) G`` has the Fisher's scale (KFC; K-FAC-expand). Layers without shared
             positions are unchanged.
+        graft: None (MindSpore) or ``"adam"``: each step takes its direction from THOR
+            and its length from Adam (:mod:`tf_msopt.thor.grafting`); the LayerNorm rule
+            and first-order variables take Adam's step, and momentum averages the steps
+            (``v = m*v + (1-m)*d``), so the learning rate means what it means to Adam.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
     With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``,
-    ``trace_thresholds`` and ``weight_sharing`` changed, the update is MindSpore's exactly.
+    ``trace_thresholds``, ``weight_sharing`` and ``graft`` changed, the update is
+    MindSpore's exactly.
 
     References:
         Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented
@@ -146,7 +153,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                  enable_clip_grad=False, frequency=100, block_size=128, damping_mode="sqrt",
                  statistics_decay=None, statistics_frequency=None, fisher="empirical",
                  kl_clip=None, trace_thresholds=None, seed=None, weight_sharing="mean",
-                 layers=None, name=None, jit_compile=None, **kwargs):
+                 graft=None, layers=None, name=None, jit_compile=None, **kwargs):
         options = ThorOptions(
             damping, momentum, loss_scale=loss_scale, batch_size=batch_size,
             use_nesterov=use_nesterov, decay_filter=decay_filter, split_indices=split_indices,
@@ -154,7 +161,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             damping_mode=damping_mode, statistics_decay=statistics_decay,
             statistics_frequency=statistics_frequency, fisher=fisher, kl_clip=kl_clip,
             trace_thresholds=trace_thresholds, seed=seed, weight_sharing=weight_sharing,
-            weight_decay=weight_decay)
+            graft=graft, weight_decay=weight_decay)
         check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)
@@ -259,6 +266,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         self.failed_inverses = self._estimator.failed_inverses
         self._decay_flags = [self.weight_decay > 0 and bool(self._decay_filter(v))
                              and not self.excluded_from_weight_decay(v) for v in var_list]
+        self._graft = (AdamGraft(self.add_variable_from_reference, self.assign, var_list)
+                       if self.graft else None)
 
     def _add_state_variable(self, shape, initializer, name, dtype=None):
         return self.add_variable(shape, initializer=initializer, dtype=dtype, name=name)
@@ -350,7 +359,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         for gradient, variable in grads_and_vars:
             index = compat.variable_index(self, variable)
             gradient = self._unscaled(gradient)
-            direction = self._direction(gradient, index)
+            direction = self._step_direction(gradient, index)
             factored = isinstance(self._rules[index], LayerCurvature)
             if factored:
                 products.append(tf.reduce_sum(gradient * direction))
@@ -371,8 +380,17 @@ class THOR(LossScaleLink, MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         index = compat.variable_index(self, variable)
-        direction = self._direction(self._unscaled(gradient), index)
+        direction = self._step_direction(self._unscaled(gradient), index)
         self._apply(direction, variable, index, learning_rate)
+
+    def _step_direction(self, gradient, index):
+        """The preconditioned gradient, grafted to Adam's step length with ``graft``."""
+        direction = self._direction(gradient, index)
+        if self._graft is None:
+            return direction
+        factored = isinstance(self._rules[index], LayerCurvature)
+        return self._graft.direction(index, gradient, direction if factored else None,
+                                     self.iterations)
 
     def _direction(self, gradient, index):
         """The preconditioned gradient of the variable at ``index``."""
@@ -392,6 +410,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             direction += tf.cast(self.weight_decay, variable.dtype) * variable
         if self.enable_clip_grad:
             direction = tf.clip_by_norm(direction, 1.0)
+        if self._graft is not None:     # momentum averages the steps, as Adam's first moment
+            direction *= tf.cast(1.0 - self.momentum, variable.dtype)
         momentum = self.momentums[index]
         tf.raw_ops.ResourceApplyMomentum(
             var=tf_variable(variable).handle, accum=tf_variable(momentum).handle,
@@ -405,43 +425,3 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         config.update(self.options.get_config())
         config["layers"] = None if self._blocks is None else [b.get_config() for b in self._blocks]
         return config
-
-
-def thor(model, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
-         batch_size=32, use_nesterov=False, decay_filter=None, split_indices=None,
-         enable_clip_grad=False, frequency=100, block_size=128, **kwargs):
-    """Creates a :class:`THOR` optimizer for ``model`` and connects it to the model's layers.
-
-    Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
-    preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
-    other variable its plain gradient; ``optimizer.report()`` lists which and
-    why. Call it under the distribution strategy's scope, if any, and pass the
-    result to ``model.compile``. Arguments: as :class:`THOR` (MindSpore's
-    ``nn.thor`` names and defaults, plus ``block_size``).
-    """
-    optimizer = THOR(learning_rate, damping, momentum, weight_decay=weight_decay,
-                     loss_scale=loss_scale, batch_size=batch_size, use_nesterov=use_nesterov,
-                     decay_filter=decay_filter, split_indices=split_indices,
-                     enable_clip_grad=enable_clip_grad, frequency=frequency,
-                     block_size=block_size, **kwargs)
-    return optimizer.connect(model)
-
-
-def connect(model):
-    """Connects the THOR optimizer of a compiled ``model`` (e.g. after ``load_model``).
-
-    Finds THOR in ``model.optimizer``, inside any ``LossScaleOptimizer``, and
-    calls :meth:`THOR.connect`. Returns the THOR optimizer.
-    """
-    optimizer = getattr(model, "optimizer", None)
-    while optimizer is not None and not isinstance(optimizer, THOR):
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    if optimizer is None:
-        raise ValueError(
-            f"For '{_OWNER}', the model has no THOR optimizer to connect (its optimizer is "
-            f"'{type_name(getattr(model, 'optimizer', None))}'); compile it with one first."
-        )
-    return optimizer.connect(model)
-
-
-thor.connect = connect

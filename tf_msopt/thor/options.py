@@ -9,7 +9,8 @@ from tf_msopt.schedules import serialize_step_value
 __all__ = ["ThorOptions", "check_keras_arguments"]
 
 _OWNER = "THOR"
-_DAMPING_MODES = ("sqrt", "pi")
+_DAMPING_MODES = ("sqrt", "pi", "relative")
+_GRAFTS = (None, "adam")
 _FISHERS = ("empirical", "sampled")
 _WEIGHT_SHARINGS = ("mean", "expand")
 
@@ -129,6 +130,7 @@ class ThorOptions:
     trace_thresholds: object = None
     seed: object = None
     weight_sharing: str = "mean"
+    graft: object = None
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -155,6 +157,7 @@ class ThorOptions:
         normalise("statistics_frequency", statistics_frequency)
         _check_choice(self.fisher, "fisher", _FISHERS)
         _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
+        _check_choice(self.graft, "graft", _GRAFTS)
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
         normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))

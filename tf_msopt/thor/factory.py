@@ -1,0 +1,80 @@
+"""``tf_msopt.thor(model, ...)`` and ``tf_msopt.thor.connect(model)``: a THOR for a model.
+
+``tf_msopt.thor(model)`` with no hyper-parameters is the default, one configuration for
+every model kind (:data:`DEFAULTS`): Adam-grafted steps (a learning rate that means what
+it means to Adam), damping relative to each factor's mean eigenvalue (no scale to tune),
+new inverses every 10 steps. Given MindSpore's ``learning_rate``, ``damping`` and
+``momentum``, it is MindSpore's THOR, with MindSpore's defaults for the rest.
+"""
+from tf_msopt._validation import type_name
+from tf_msopt.thor.optimizer import THOR
+
+__all__ = ["DEFAULTS", "connect", "thor"]
+
+_OWNER = "THOR"
+
+#: The keyword arguments of ``tf_msopt.thor(model)``; another learning rate is
+#: ``tf_msopt.thor(model, **{**DEFAULTS, "learning_rate": 0.01})``.
+DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
+            "damping_mode": "relative", "graft": "adam"}
+_MINDSPORE_FREQUENCY = 100
+
+
+def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.0,
+         loss_scale=1.0, batch_size=32, use_nesterov=False, decay_filter=None,
+         split_indices=None, enable_clip_grad=False, frequency=None, block_size=128,
+         **kwargs):
+    """Creates a :class:`THOR` optimizer for ``model`` and connects it to the model's layers.
+
+    ``thor(model)`` is the default configuration (:data:`DEFAULTS`; any argument given
+    replaces its entry). ``thor(model, learning_rate, damping, momentum, ...)`` is
+    MindSpore's THOR (``frequency`` 100 unless given); the learning rate, damping and
+    momentum are given together or not at all.
+
+    Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
+    preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
+    other variable its plain gradient; ``optimizer.report()`` lists which and
+    why. Call it under the distribution strategy's scope, if any, and pass the
+    result to ``model.compile``. Arguments: as :class:`THOR` (MindSpore's
+    ``nn.thor`` names and defaults, plus ``block_size``).
+    """
+    given = {"learning_rate": learning_rate, "damping": damping, "momentum": momentum}
+    missing = [name for name, value in given.items() if value is None]
+    if missing and len(missing) < len(given):
+        raise TypeError(
+            f"For '{_OWNER}', give 'learning_rate', 'damping' and 'momentum' together "
+            f"(MindSpore's THOR) or none of them (the default configuration), but "
+            f"{', '.join(repr(name) for name in missing)} {'is' if len(missing) == 1 else 'are'}"
+            f" missing.")
+    options = dict(weight_decay=weight_decay, loss_scale=loss_scale, batch_size=batch_size,
+                   use_nesterov=use_nesterov, decay_filter=decay_filter,
+                   split_indices=split_indices, enable_clip_grad=enable_clip_grad,
+                   block_size=block_size, **kwargs)
+    if frequency is not None:
+        options["frequency"] = frequency
+    if missing:
+        options = {**DEFAULTS, **options}
+    else:
+        options = {"frequency": _MINDSPORE_FREQUENCY, **given, **options}
+    return THOR(**options).connect(model)
+
+
+def connect(model):
+    """Connects the THOR optimizer of a compiled ``model`` (e.g. after ``load_model``).
+
+    Finds THOR in ``model.optimizer``, inside any ``LossScaleOptimizer``, and
+    calls :meth:`THOR.connect`. Returns the THOR optimizer.
+    """
+    optimizer = getattr(model, "optimizer", None)
+    while optimizer is not None and not isinstance(optimizer, THOR):
+        optimizer = getattr(optimizer, "inner_optimizer", None)
+    if optimizer is None:
+        raise ValueError(
+            f"For '{_OWNER}', the model has no THOR optimizer to connect (its optimizer is "
+            f"'{type_name(getattr(model, 'optimizer', None))}'); compile it with one first."
+        )
+    return optimizer.connect(model)
+
+
+thor.connect = connect
+thor.DEFAULTS = DEFAULTS

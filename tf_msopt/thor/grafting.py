@@ -1,0 +1,53 @@
+"""Learning-rate grafting: each variable's step takes its direction from THOR and its size
+from Adam.
+
+With ``graft="adam"`` THOR keeps Adam's second moment of every variable's gradient,
+``v = beta2*v + (1-beta2)*g^2``, and its step ``a = g / (sqrt(v / (1-beta2^t)) + eps)``.
+A Kronecker-factored variable moves along its preconditioned gradient ``P g`` rescaled to
+Adam's step length, ``P g * |a| / |P g|``; every other variable (biases, LayerNorm, layers
+THOR does not factor) takes Adam's step ``a`` itself. Momentum then averages the steps
+(``v = m*v + (1-m)*d``), as Adam's first moment does, so a learning rate means what it
+means to Adam, whatever the model's scale or the damping. Grafting is how Distributed
+Shampoo carries first-order learning rates over to a preconditioned method.
+
+References:
+    Agarwal, Anil, Hazan, Koren and Zhang. Disentangling Adaptive Gradient Methods from
+    Learning Rates. arXiv:2002.11803, 2020.
+    Anil, Gupta, Koren, Regan and Singer. Scalable Second Order Optimization for Deep
+    Learning (Distributed Shampoo). arXiv:2002.09018, 2020.
+"""
+import tensorflow as tf
+
+__all__ = ["AdamGraft"]
+
+
+class AdamGraft:
+    """Adam's second moments of the variables THOR updates, and the grafted direction.
+
+    Args:
+        add_slot: ``add_slot(variable, name)`` creates an optimizer variable shaped like
+            ``variable`` (zeros), saved with the optimizer's state.
+        assign: ``assign(variable, value)``, the optimizer's.
+        variables: the variables THOR was built for, in order.
+    """
+
+    beta2 = 0.999
+    epsilon = 1e-7     # Keras' Adam's
+
+    def __init__(self, add_slot, assign, variables):
+        self.assign = assign
+        self.second_moments = [add_slot(variable, "graft_second_moment")
+                               for variable in variables]
+
+    def direction(self, index, gradient, preconditioned, step):
+        """The grafted direction of variable ``index`` at ``step`` (0 for the first):
+        ``preconditioned`` rescaled to Adam's step length, or Adam's step where
+        ``preconditioned`` is None."""
+        moment = self.second_moments[index]
+        value = self.beta2 * moment + (1.0 - self.beta2) * tf.square(gradient)
+        self.assign(moment, value)
+        correction = 1.0 - tf.pow(self.beta2, tf.cast(step, tf.float32) + 1.0)
+        adam = gradient / (tf.sqrt(value / correction) + self.epsilon)
+        if preconditioned is None:
+            return adam
+        return preconditioned * tf.math.divide_no_nan(tf.norm(adam), tf.norm(preconditioned))

@@ -102,15 +102,13 @@ def test_inference_exports_serve_predict_without_tf_msopt(tmp_path, two_cpu_stra
         assert got["captures"] == weight_count, key
 
 
-def _training_module(model, optimizer):
+def _training_module(model, optimizer, step, target_spec):
+    """A ``tf.Module`` holding ``model``, ``optimizer``, the model's weights and
+    ``step(x, y)`` traced for batches of BATCH (targets as ``target_spec``)."""
     module = tf.Module()
     module.model, module.optimizer, module.weights = model, optimizer, list(model.weights)
-
-    def step(x, y):
-        C.loop_step(model, optimizer, x, y)
-
     module.step = tf.function(step, input_signature=[tf.TensorSpec((BATCH, 6), tf.float32),
-                                                     tf.TensorSpec((BATCH, 2), tf.float32)])
+                                                     target_spec])
     return module
 
 
@@ -137,7 +135,11 @@ def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
     paths, want = {}, {}
     for name in C.CASES:
         model = C.mlp()
-        module = _training_module(model, C.make(name, model))
+        optimizer = C.make(name, model)
+        module = _training_module(
+            model, optimizer,
+            lambda x, y, model=model, optimizer=optimizer: C.loop_step(model, optimizer, x, y),
+            tf.TensorSpec((BATCH, 2), tf.float32))
         for x, y in batches[:BEFORE]:
             module.step(x, y)
         paths[name] = str(tmp_path / name)
@@ -162,8 +164,6 @@ def test_training_savedmodel_with_the_sampled_fisher(tmp_path):
     model = _classifier()
     optimizer = mso.thor(model, 0.05, 0.03, 0.9, frequency=3, fisher="sampled", seed=3)
     optimizer.set_fisher_loss(loss)
-    module = tf.Module()
-    module.model, module.optimizer, module.weights = model, optimizer, list(model.weights)
 
     def step(x, y):
         with tf.GradientTape() as tape:
@@ -171,8 +171,7 @@ def test_training_savedmodel_with_the_sampled_fisher(tmp_path):
         optimizer.apply(tape.gradient(value, model.trainable_variables),
                         model.trainable_variables)
 
-    module.step = tf.function(step, input_signature=[tf.TensorSpec((BATCH, 6), tf.float32),
-                                                     tf.TensorSpec((BATCH,), tf.int32)])
+    module = _training_module(model, optimizer, step, tf.TensorSpec((BATCH,), tf.int32))
     chunks = [(x[i:i + BATCH], labels[i:i + BATCH]) for i in range(0, len(x), BATCH)]
     for xb, yb in chunks[:BEFORE]:
         module.step(xb, yb)

@@ -112,6 +112,12 @@ def _training_module(model, optimizer, step, target_spec):
     return module
 
 
+def _loop_step(model, optimizer):
+    def step(x, y):
+        C.loop_step(model, optimizer, x, y)
+    return step
+
+
 TRAIN_CODE = """
 import json
 import numpy as np, tensorflow as tf
@@ -136,10 +142,8 @@ def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
     for name in C.CASES:
         model = C.mlp()
         optimizer = C.make(name, model)
-        module = _training_module(
-            model, optimizer,
-            lambda x, y, model=model, optimizer=optimizer: C.loop_step(model, optimizer, x, y),
-            tf.TensorSpec((BATCH, 2), tf.float32))
+        module = _training_module(model, optimizer, _loop_step(model, optimizer),
+                                  tf.TensorSpec((BATCH, 2), tf.float32))
         for x, y in batches[:BEFORE]:
             module.step(x, y)
         paths[name] = str(tmp_path / name)

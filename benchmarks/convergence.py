@@ -1167,8 +1167,8 @@ def main(argv=None):
                                          info["batch_size"], info["thor_frequency"], runs,
                                          args.rounds, block=info.get("block", "tuned"),
                                          subset=info.get("subset"))
-            if args.save:
-                save_results(args.save, tasks)
+        if args.save:    # the merged files (and any re-timing) as one
+            save_results(args.save, tasks)
     else:
         wanted = _names(args.task, TASKS, "tasks")
         optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")

@@ -385,12 +385,14 @@ class THOR(LossScaleLink, MindSporeOptimizer):
 
     def _step_direction(self, gradient, index):
         """The preconditioned gradient, grafted to Adam's step length with ``graft``."""
-        direction = self._direction(gradient, index)
         if self._graft is None:
-            return direction
-        factored = isinstance(self._rules[index], LayerCurvature)
-        return self._graft.direction(index, gradient, direction if factored else None,
-                                     self.iterations)
+            return self._direction(gradient, index)
+        # Grafted, only Kronecker-factored kernels keep THOR's direction: the LayerNorm
+        # rule would be computed for nothing.
+        rule = self._rules[index]
+        preconditioned = (rule.precondition(gradient, self.block_size)
+                          if isinstance(rule, LayerCurvature) else None)
+        return self._graft.direction(index, gradient, preconditioned, self.iterations)
 
     def _direction(self, gradient, index):
         """The preconditioned gradient of the variable at ``index``."""

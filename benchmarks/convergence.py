@@ -97,6 +97,7 @@ import tensorflow as tf  # noqa: E402
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.compare import load_digits_split, make_model, prepare  # noqa: E402
 from timing import balanced_orders  # noqa: E402
+from targets import reaches  # noqa: E402
 
 # name -> data set, target of the validation metric ("val_accuracy" unless "metric" says
 # otherwise) and, where they differ from the command line's, batch size and most epochs.
@@ -128,7 +129,8 @@ CHARLM_VALIDATION = 0.1    # the text's last tenth
 # averages of the statistics ("THOR-sampled-s2" the same with statistics every second
 # step); "THOR-klclip" all the options K-FAC libraries use together (pi damping, sampled
 # Fisher, moving averages, KL clip); "THOR-expand" the sampled Fisher with moving averages
-# and G summed over a kernel's positions per example (weight_sharing="expand").
+# and G summed over a kernel's positions per example (weight_sharing="expand"); "THOR-graft"
+# the default's options (Adam grafting, relative damping) at other learning rates and dampings.
 THOR_CONFIGS = {
     "THOR": {},
     "THOR-pi": {"damping_mode": "pi"},
@@ -138,10 +140,11 @@ THOR_CONFIGS = {
     "THOR-klclip": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95,
                     "kl_clip": 1e-3},
     "THOR-expand": {"fisher": "sampled", "statistics_decay": 0.95, "weight_sharing": "expand"},
+    "THOR-graft": {"graft": "adam", "damping_mode": "relative"},
 }
 # (learning rates, dampings) per THOR configuration and task, or a list of them where a
 # grid was widened around a best setting on its edge: the settings are their union, as run
-# for docs/performance.md. The best setting should sit inside its grid, not on an edge. A
+# for docs/convergence.md. The best setting should sit inside its grid, not on an edge. A
 # configuration without an entry for a task is not run on it.
 THOR_GRIDS = {
     "THOR": {"mlp": ((0.03, 0.05, 0.1), (1.0, 3.0, 10.0)),
@@ -184,6 +187,8 @@ THOR_GRIDS = {
                     "transformer": [((0.001, 0.003, 0.01), (0.003, 0.01, 0.03)),
                                     ((0.03,), (0.01, 0.03, 0.1)), ((0.003, 0.01), (0.1,))],
                     "charlm": ((0.003, 0.01, 0.03), (0.01, 0.03, 0.1))},
+    "THOR-graft": {"mnist_mlp": ((0.001, 0.002, 0.005), (0.03, 0.1, 0.3)),
+                   "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }
 # The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
 # from the nearest measured task's (the digits MLP; the MNIST-1D transformer), centred on its
@@ -548,12 +553,6 @@ def target_metric(task):
     return TASKS.get(task, {}).get("metric", "val_accuracy")
 
 
-def reaches(value, target, metric="val_accuracy"):
-    """Whether a value of ``metric`` meets ``target``: a loss at or below it, an accuracy at
-    or above it."""
-    return value <= target if metric == "val_loss" else value >= target
-
-
 def first_at_target(values, target, metric="val_accuracy"):
     """Index of the first of ``values`` that :func:`reaches` ``target``, or None."""
     return next((i for i, v in enumerate(values) if reaches(v, target, metric)), None)
@@ -772,15 +771,21 @@ def best_settings(results):
 
 def edge_of_grid(settings, label):
     """The grid axes (``"lr"``, ``"damping"``) on whose edge setting ``label`` lies: its value is
-    the smallest or largest of that axis among the settings. [] inside the grid (or when a
-    setting has no ``params``)."""
+    the smallest or largest of that axis among the settings, and no setting inside that axis
+    takes as few median epochs (then the grid need not widen there). [] inside the grid (or
+    when a setting has no ``params``)."""
     params = settings[label].get("params")
     if not params:
         return []
+    best = median(settings[label]["epochs"]) if "epochs" in settings[label] else None
     edges = []
     for axis, value in params.items():
         values = sorted({s["params"][axis] for s in settings.values() if "params" in s})
-        if len(values) > 1 and value in (values[0], values[-1]):
+        if len(values) < 2 or value not in (values[0], values[-1]):
+            continue
+        if best is None or not any(values[0] < s["params"][axis] < values[-1]
+                                   and median(s["epochs"]) <= best
+                                   for s in settings.values() if "epochs" in s):
             edges.append(axis)
     return edges
 
@@ -895,12 +900,23 @@ def load_results(paths):
             merged.setdefault("sources", []).append(os.path.basename(path))
             if "retimed" in info:     # the latest file's re-timing
                 merged["retimed"] = _map_retimed(info["retimed"], _from_json)
+            metric = target_metric(task)
             for name, settings in info["runs"].items():
                 merged["runs"].setdefault(name, {}).update({
-                    label: {**r, "epochs": [_from_json(e) for e in r["epochs"]],
-                            "seconds": [_from_json(s) for s in r["seconds"]]}
-                    for label, r in settings.items()})
+                    label: _judged(r, info["target"], metric) for label, r in settings.items()})
     return tasks
+
+
+def _judged(run, target, metric):
+    """A saved run with its epochs and seconds to ``target`` judged again from its histories by
+    today's :func:`reaches` (as saved where it has no histories)."""
+    if metric in run and "epoch_seconds" in run:
+        epochs, seconds = zip(*(to_target({metric: values, "epoch_seconds": times}, target,
+                                          metric)
+                                for values, times in zip(run[metric], run["epoch_seconds"])))
+        return {**run, "epochs": list(epochs), "seconds": list(seconds)}
+    return {**run, "epochs": [_from_json(e) for e in run["epochs"]],
+            "seconds": [_from_json(s) for s in run["seconds"]]}
 
 
 # --- report

@@ -113,6 +113,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
+from targets import reaches
 
 __all__ = ["MODELS", "logits", "params_from_keras", "train_kfac_jax"]
 
@@ -258,7 +259,8 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
             adapted by Levenberg-Marquardt from the reduction ratio, starting at
             ``initial_damping``.
         target: if given, training stops after the first epoch whose validation
-            accuracy is >= ``target`` (as convergence.py's ``StopAtTarget``).
+            accuracy reaches ``target`` (``targets.reaches``, as convergence.py's
+            ``StopAtTarget``).
         verbose: 1 prints one line per epoch.
 
     Returns:
@@ -337,6 +339,6 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
             print(f"epoch {epoch + 1}: loss {history['loss'][-1]:.4f} "
                   f"val_accuracy {history['val_accuracy'][-1]:.4f} "
                   f"{history['seconds'][-1]:.2f}s", flush=True)
-        if target is not None and history["val_accuracy"][-1] >= target:
+        if target is not None and reaches(history["val_accuracy"][-1], target):
             break
     return history

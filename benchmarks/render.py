@@ -1,4 +1,5 @@
-"""Renders the benchmark tables of docs/performance.md and docs/thor.md from benchmarks/results/.
+"""Renders the benchmark tables of docs/performance.md, docs/convergence.md and docs/thor.md
+from benchmarks/results/.
 
 Each table sits between two marker comments in a page::
 
@@ -26,7 +27,8 @@ from statistics import median
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
-PAGES = [os.path.join(ROOT, "docs", "performance.md"), os.path.join(ROOT, "docs", "thor.md")]
+PAGES = [os.path.join(ROOT, "docs", page)
+         for page in ("performance.md", "convergence.md", "thor.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
@@ -309,11 +311,14 @@ def render_convergence_grids(results):
         best = convergence.best_settings({name: runs[name] for name in order})
         for i, name in enumerate(order):
             label, epochs, _ = best[name]
-            edge = convergence.edge_of_grid(runs[name], label) if math.isfinite(epochs) else []
+            per_seed = _epochs(runs[name][label]["epochs"], convergence._show)
+            if math.isfinite(epochs):
+                edge = convergence.edge_of_grid(runs[name], label)
+                where = "edge: " + ", ".join(edge) if edge else "inside"
+            else:    # no best setting: none reaches the target on two seeds
+                label, per_seed, where = "none reaches the target", "", "none"
             rows.append([_title(convergence, task, info) if i == 0 else "", name, label,
-                         _epochs(runs[name][label]["epochs"], convergence._show),
-                         convergence._show(epochs),
-                         f"{len(runs[name])}, {'edge: ' + ', '.join(edge) if edge else 'inside'}"])
+                         per_seed, convergence._show(epochs), f"{len(runs[name])}, {where}"])
     return (table(["task, target", "optimizer", "best setting", "epochs per seed",
                    "median epochs", "settings (best setting)"], rows) + _from_files(tasks))
 
@@ -429,7 +434,8 @@ def render_convergence_robustness(results):
             for label, epochs in r["median_epochs"].items():
                 by_lr.setdefault(info["runs"][name][label]["params"]["lr_scale"], []).append(
                     convergence._show(epochs))
-            rows.append([_title(convergence, task, info) if i == 0 else "", name,
+            title = f"{_title(convergence, task, info)} in {info['max_epochs']} epochs"
+            rows.append([title if i == 0 else "", name,
                          *[" / ".join(values) for values in by_lr.values()],
                          f"{r['reached']} of {r['points']}"])
     return (table(["task, target", "optimizer", *[f"lr x{s}" for s in scales],

@@ -45,6 +45,22 @@ def _block_file(convergence, path, block, runs, **info):
                                                  "max_epochs": 15, "runs": runs, **info}})
 
 
+def test_a_grid_where_no_setting_reaches_the_target_has_no_best_setting(tmp_path):
+    convergence = render._convergence()
+    results = tmp_path / "results"
+    results.mkdir()
+    never = {"epochs": [math.inf, 4, math.inf], "seconds": [math.inf, 1.0, math.inf]}
+    runs = {"Adam": {f"lr={lr}": {"params": {"lr": lr}, **never} for lr in (0.001, 0.01)},
+            "Muon": {f"lr={lr}": {"params": {"lr": lr}, "epochs": [3, 3, 3],
+                                  "seconds": [1.0] * 3} for lr in (0.001, 0.01)}}
+    for task in render.TASKS:
+        convergence.save_results(str(results / f"convergence_{task}.json"), {task: {
+            "target": 0.97, "seeds": [0, 1, 2], "max_epochs": 15, "runs": runs}})
+    text = render.render_convergence_grids(str(results))
+    assert "| digits MLP, accuracy 0.97 | Adam | none reaches the target |  | - | 2, none |" in text
+    assert "|  | Muon | lr=0.001 | 3, 3, 3 | 3 | 2, edge: lr |" in text
+
+
 def test_defaults_and_robustness_tables_render_a_measured_block(tmp_path):
     convergence = render._convergence()
     results = tmp_path / "results"
@@ -71,7 +87,8 @@ def test_defaults_and_robustness_tables_render_a_measured_block(tmp_path):
                                                              lr_scale=s)
                                           for a, s in (("1/3", 1 / 3), ("1", 1.0), ("3", 3.0))}})
     text = render.render_convergence_robustness(str(results))
-    assert "| digits MLP, accuracy 0.97 | THOR | 2 / 2 / - | 2 / 2 / - | 2 / 2 / - | 6 of 9 |" in text
+    assert ("| digits MLP, accuracy 0.97 in 15 epochs | THOR | 2 / 2 / - | 2 / 2 / - | 2 / 2 / - "
+            "| 6 of 9 |") in text
     assert "|  | Adam | 4 | 4 | 4 | 3 of 3 |" in text
 
 
@@ -85,7 +102,7 @@ def test_every_table_is_on_a_page_between_its_markers():
     ("thor_step.json", lambda r: r["models"]["mlp"]["ratio_vs_sgd"].update({"thor stale": 1.3})),
     ("roofline.json", lambda r: r["paths"]["addsign"].update(ms=7.5)),
     ("convergence_mlp.json", lambda r: r["tasks"]["mlp"]["runs"]["Adam"]["lr=0.005"].update(
-        epochs=[4, 4, None])),
+        val_accuracy=[[0.5, 0.98]] * 3, epoch_seconds=[[1.0, 1.0]] * 3)),
 ])
 def test_a_changed_figure_in_a_results_file_shows_as_a_difference(tmp_path, name, change):
     results = tmp_path / "results"
@@ -124,7 +141,7 @@ def test_out_replaces_the_file_and_names_the_machine(tmp_path, capsys):
 def test_every_benchmark_offers_out():
     folder = os.path.join(REPO_ROOT, "benchmarks")
     scripts = [name for name in os.listdir(folder) if name.endswith(".py")
-               and name not in ("timing.py", "render.py", "kfac_jax_baseline.py")]
+               and name not in ("timing.py", "targets.py", "render.py", "kfac_jax_baseline.py")]
     for name in scripts:
         with open(os.path.join(folder, name)) as f:
             assert '"--out"' in f.read(), name

@@ -96,7 +96,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.compare import load_digits_split, make_model, prepare  # noqa: E402
-from timing import balanced_orders  # noqa: E402
+from timing import balanced_orders, machine  # noqa: E402
 from targets import reaches  # noqa: E402
 
 # name -> data set, target of the validation metric ("val_accuracy" unless "metric" says
@@ -1190,10 +1190,7 @@ def main(argv=None):
         optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
         seeds = [int(s) for s in args.seeds.split(",")]
         meta = {"block": args.block, "note": args.note,
-                "machine": {"cpus": os.cpu_count(),
-                            "processor": platform.processor() or platform.machine(),
-                            "python": platform.python_version(),
-                            "tensorflow": tf.__version__, "keras": keras.__version__}}
+                "machine": {**machine(), "python": platform.python_version()}}
         if args.block != "tuned":
             meta["thor_defaults"] = _json_safe(getattr(mso.thor, "DEFAULTS", None))
         if args.subset:

@@ -38,7 +38,7 @@ BLOCKS = ("defaults", "robustness")
 # The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
 # THOR_CONFIGS): the first THOR row of each task in the re-timed table.
 RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
-               "transformer": "THOR-expand"}
+               "transformer": "THOR-expand", "charlm": "THOR-graft"}
 MARKER = re.compile(r"(<!-- render:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)",
                     re.S)
 
@@ -324,7 +324,8 @@ def render_convergence_grids(results):
 
 
 def render_convergence_retimed(results):
-    convergence, tasks = _tasks(results)
+    convergence, tasks = _tasks(results, ALL_TASKS)
+    tasks = {task: info for task, info in tasks.items() if info and info.get("retimed")}
     rows = []
     for task, info in tasks.items():
         retimed = info["retimed"]
@@ -334,7 +335,7 @@ def render_convergence_retimed(results):
         by_seconds = min(first_order, key=lambda n: seconds[n][1])
         fewest = min(epochs[n] for n in first_order)
         thor = sorted((n for n in retimed if n.startswith("THOR")),
-                      key=lambda n: n != RECOMMENDED[task])
+                      key=lambda n: n != RECOMMENDED.get(task))
         rounds = len(next(iter(retimed.values()))["seconds"])
 
         def cell(name):
@@ -475,8 +476,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
     "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
     "convergence_grids": (render_convergence_grids, [results_file(task) for task in ALL_TASKS]),
-    "convergence_retimed": (render_convergence_retimed,
-                            [f"convergence_{task}.json" for task in TASKS]),
+    "convergence_retimed": (render_convergence_retimed, [results_file(task) for task in ALL_TASKS]),
     "convergence_half": (render_convergence_half, [f"convergence_{task}.json" for task in TASKS]),
     "thor_configurations": (render_thor_configurations,
                             [f"convergence_{task}.json" for task in TASKS]),

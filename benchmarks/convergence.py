@@ -785,7 +785,8 @@ def edge_of_grid(settings, label):
             continue
         if best is None or not any(values[0] < s["params"][axis] < values[-1]
                                    and median(s["epochs"]) <= best
-                                   for s in settings.values() if "epochs" in s):
+                                   for s in settings.values()
+                                   if "params" in s and "epochs" in s):
             edges.append(axis)
     return edges
 

@@ -311,8 +311,8 @@ def render_convergence_grids(results):
         best = convergence.best_settings({name: runs[name] for name in order})
         for i, name in enumerate(order):
             label, epochs, _ = best[name]
-            per_seed = _epochs(runs[name][label]["epochs"], convergence._show)
             if math.isfinite(epochs):
+                per_seed = _epochs(runs[name][label]["epochs"], convergence._show)
                 edge = convergence.edge_of_grid(runs[name], label)
                 where = "edge: " + ", ".join(edge) if edge else "inside"
             else:    # no best setting: none reaches the target on two seeds

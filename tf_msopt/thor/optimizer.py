@@ -389,9 +389,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             return self._direction(gradient, index)
         # Grafted, only Kronecker-factored kernels keep THOR's direction: the LayerNorm
         # rule would be computed for nothing.
-        rule = self._rules[index]
-        preconditioned = (rule.precondition(gradient, self.block_size)
-                          if isinstance(rule, LayerCurvature) else None)
+        preconditioned = (self._direction(gradient, index)
+                          if isinstance(self._rules[index], LayerCurvature) else None)
         return self._graft.direction(index, gradient, preconditioned, self.iterations)
 
     def _direction(self, gradient, index):

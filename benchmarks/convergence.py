@@ -128,9 +128,10 @@ CHARLM_VALIDATION = 0.1    # the text's last tenth
 # damping split by the factors' traces; "THOR-sampled" the sampled Fisher with moving
 # averages of the statistics ("THOR-sampled-s2" the same with statistics every second
 # step); "THOR-klclip" all the options K-FAC libraries use together (pi damping, sampled
-# Fisher, moving averages, KL clip); "THOR-expand" the sampled Fisher with moving averages
-# and G summed over a kernel's positions per example (weight_sharing="expand"); "THOR-graft"
-# the default's options (Adam grafting, relative damping) at other learning rates and dampings.
+# Fisher, moving averages, KL clip), "THOR-pi-sampled" the same without the KL clip;
+# "THOR-expand" the sampled Fisher with moving averages and G summed over a kernel's
+# positions per example (weight_sharing="expand"); "THOR-graft" the default's options (Adam
+# grafting, relative damping) at other learning rates and dampings.
 THOR_CONFIGS = {
     "THOR": {},
     "THOR-pi": {"damping_mode": "pi"},
@@ -139,6 +140,7 @@ THOR_CONFIGS = {
                         "statistics_frequency": 2},
     "THOR-klclip": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95,
                     "kl_clip": 1e-3},
+    "THOR-pi-sampled": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95},
     "THOR-expand": {"fisher": "sampled", "statistics_decay": 0.95, "weight_sharing": "expand"},
     "THOR-graft": {"graft": "adam", "damping_mode": "relative"},
 }
@@ -187,6 +189,8 @@ THOR_GRIDS = {
                     "transformer": [((0.001, 0.003, 0.01), (0.003, 0.01, 0.03)),
                                     ((0.03,), (0.01, 0.03, 0.1)), ((0.003, 0.01), (0.1,))],
                     "charlm": ((0.003, 0.01, 0.03), (0.01, 0.03, 0.1))},
+    "THOR-pi-sampled": {"mnist_mlp": [((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
+                                      ((0.03, 0.1, 0.3), (0.3, 1.0, 3.0))]},
     "THOR-graft": {"mnist_mlp": ((0.001, 0.002, 0.005), (0.03, 0.1, 0.3)),
                    "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }

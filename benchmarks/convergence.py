@@ -131,7 +131,9 @@ CHARLM_VALIDATION = 0.1    # the text's last tenth
 # Fisher, moving averages, KL clip), "THOR-pi-sampled" the same without the KL clip;
 # "THOR-expand" the sampled Fisher with moving averages and G summed over a kernel's
 # positions per example (weight_sharing="expand"); "THOR-graft" the default's options (Adam
-# grafting, relative damping) at other learning rates and dampings.
+# grafting, relative damping) at other learning rates and dampings; "THOR-output-side" those
+# with the sampled Fisher and moving averages, preconditioning kernels on their output side
+# only (precondition_inputs=False).
 THOR_CONFIGS = {
     "THOR": {},
     "THOR-pi": {"damping_mode": "pi"},
@@ -143,6 +145,8 @@ THOR_CONFIGS = {
     "THOR-pi-sampled": {"damping_mode": "pi", "fisher": "sampled", "statistics_decay": 0.95},
     "THOR-expand": {"fisher": "sampled", "statistics_decay": 0.95, "weight_sharing": "expand"},
     "THOR-graft": {"graft": "adam", "damping_mode": "relative"},
+    "THOR-output-side": {"graft": "adam", "damping_mode": "relative", "fisher": "sampled",
+                         "statistics_decay": 0.95, "precondition_inputs": False},
 }
 # (learning rates, dampings) per THOR configuration and task, or a list of them where a
 # grid was widened around a best setting on its edge: the settings are their union, as run
@@ -191,6 +195,7 @@ THOR_GRIDS = {
                     "charlm": ((0.003, 0.01, 0.03), (0.01, 0.03, 0.1))},
     "THOR-pi-sampled": {"mnist_mlp": [((0.01, 0.03, 0.1), (0.1, 0.3, 1.0)),
                                       ((0.03, 0.1, 0.3), (0.3, 1.0, 3.0))]},
+    "THOR-output-side": {"mnist_mlp": ((0.001, 0.002, 0.003, 0.005), (0.03, 0.1, 0.3))},
     "THOR-graft": {"mnist_mlp": ((0.001, 0.002, 0.005), (0.03, 0.1, 0.3)),
                    "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }
@@ -902,7 +907,6 @@ def load_results(paths):
                     if key in ("block", "target", "batch_size"):
                         raise ValueError(f"{path}: {task} {key} {info[key]} differs from "
                                          f"{merged.get(key)} of an earlier file")
-            merged.setdefault("sources", []).append(os.path.basename(path))
             if "retimed" in info:     # the latest file's re-timing
                 merged["retimed"] = _map_retimed(info["retimed"], _from_json)
             metric = target_metric(task)

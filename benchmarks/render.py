@@ -38,7 +38,7 @@ BLOCKS = ("defaults", "robustness")
 # The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
 # THOR_CONFIGS): the first THOR row of each task in the re-timed table.
 RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
-               "transformer": "THOR-expand", "mnist_mlp": "THOR-pi-sampled",
+               "transformer": "THOR-expand", "mnist_mlp": "THOR-output-side",
                "charlm": "THOR-graft"}
 MARKER = re.compile(r"(<!-- render:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /render:(?P=name) -->)",
                     re.S)

@@ -180,6 +180,10 @@ OPTION_CASES = {
     "relative_damping": ("dense", dict(damping_mode="relative")),
     "graft": ("layer_norm", dict(graft="adam", damping_mode="relative", weight_decay=0.01)),
     "graft_kl_clip": ("conv_same", dict(graft="adam", kl_clip=1e-3, use_nesterov=True)),
+    "output_side_only": ("dense", dict(precondition_inputs=False)),
+    **{f"output_side_only_{name}": (name, dict(precondition_inputs=False, graft="adam",
+                                               damping_mode="relative"))
+       for name in ("conv_same", "embedding", "einsum_dense", "depthwise")},
     **{f"all_{name}": (name, ALL_OPTIONS)
        for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
 }

@@ -54,6 +54,7 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(seed=1.5), TypeError, "seed"),
     (dict(seed=2**64), ValueError, "seed"),         # the labels' hash keys are uint64
     (dict(weight_sharing="sum"), ValueError, "weight_sharing"),
+    (dict(precondition_inputs="no"), TypeError, "precondition_inputs"),
 ])
 def test_bad_option_arguments_raise(kwargs, error, argument):
     with pytest.raises(error, match=argument):
@@ -429,7 +430,7 @@ def test_non_finite_statistics_or_outputs_are_not_recorded():
 #: Every option on; the empirical variant sparser statistics (steps 0, 2, 4; inverses at 0, 4).
 SAMPLED_ALL = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
                    trace_thresholds=(0.3, 0.05), fisher="sampled", seed=3,
-                   weight_sharing="expand")
+                   weight_sharing="expand", precondition_inputs=False)
 EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequency=2,
                      frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05),
                      weight_sharing="expand")

@@ -260,7 +260,8 @@ class ThorReference:
     def __init__(self, network, learning_rate, damping, momentum, weight_decay=0.0,
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
-                 statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None):
+                 statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
+                 precondition_inputs=True):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
@@ -272,7 +273,7 @@ class ThorReference:
             statistics_frequency = frequency if statistics_decay is None else 1
         self.statistics_frequency = statistics_frequency
         self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
-        self.graft = graft
+        self.graft, self.precondition_inputs = graft, precondition_inputs
         self.second_moments = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses = {}
@@ -408,9 +409,13 @@ class ThorReference:
 
     def preconditioned(self, layer, key, grad, batch, root):
         if key == "kernel" and layer.kind == "depthwise":
-            return self.depthwise_precondition(grad, *self.inverses[layer.name])
+            return self.depthwise_precondition(grad, self.inverses[layer.name],
+                                               self.precondition_inputs)
         if key in ("kernel", "embeddings"):
             a_inverse, g_inverse = self.inverses[layer.name]
+            if not self.precondition_inputs:
+                a_inverse = (np.ones_like(a_inverse) if layer.kind == "embedding"
+                             else np.eye(len(a_inverse)))
             matrix = grad.reshape(len(a_inverse), -1)
             matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
                       else a_inverse @ matrix)
@@ -481,10 +486,12 @@ class ThorReference:
                     grads[layer.name, key] = adam
 
     @staticmethod
-    def depthwise_precondition(grad, *inverses):
+    def depthwise_precondition(grad, inverses, inputs=True):
         kh, kw, channels, multiplier = grad.shape
         out = np.empty_like(grad)
         for c, (a_inverse, g_inverse) in enumerate(inverses):
             matrix = grad[:, :, c, :].reshape(kh * kw, multiplier)
-            out[:, :, c, :] = (a_inverse @ matrix @ g_inverse).reshape(kh, kw, multiplier)
+            if inputs:
+                matrix = a_inverse @ matrix
+            out[:, :, c, :] = (matrix @ g_inverse).reshape(kh, kw, multiplier)
         return out

@@ -52,7 +52,9 @@ def from_config(config):
 
 @dataclasses.dataclass(frozen=True)
 class Preconditioning:
-    """What a block may need to precondition a gradient (read once per variable)."""
+    """What a block may need to precondition a gradient (read once per variable);
+    ``a_inverse`` is None where only the output side is preconditioned
+    (``precondition_inputs=False``)."""
 
     a_inverse: object = None
     g_inverse: object = None
@@ -236,8 +238,9 @@ class KroneckerBlock(CurvatureBlock):
         return tf.reshape(matrix, tf.shape(gradient))
 
     def precondition(self, gradient, state, block_size):
-        matrix = self.left_precondition(self.kernel_matrix(gradient), state.a_inverse,
-                                        block_size)
+        matrix = self.kernel_matrix(gradient)
+        if state.a_inverse is not None:
+            matrix = self.left_precondition(matrix, state.a_inverse, block_size)
         matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size))
         return self.kernel_from_matrix(matrix, gradient)
 

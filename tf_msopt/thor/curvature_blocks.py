@@ -265,7 +265,9 @@ class DepthwiseConvBlock(KroneckerBlock):
     def precondition(self, gradient, state, block_size):
         per_channel = tf.transpose(
             tf.reshape(gradient, [self.a_dim, self.channels, self.g_dim]), [1, 0, 2])
-        per_channel = tf.matmul(tf.matmul(state.a_inverse, per_channel), state.g_inverse)
+        if state.a_inverse is not None:
+            per_channel = tf.matmul(state.a_inverse, per_channel)
+        per_channel = tf.matmul(per_channel, state.g_inverse)
         return tf.reshape(tf.transpose(per_channel, [1, 0, 2]), tf.shape(gradient))
 
 

@@ -59,11 +59,13 @@ class LayerCurvature:
     def inverses(self):
         return tf.convert_to_tensor(self.a_inverse), tf.convert_to_tensor(self.g_inverse)
 
-    def precondition(self, gradient, block_size):
-        """The block's preconditioned ``gradient`` with the current inverses."""
+    def precondition(self, gradient, block_size, inputs=True):
+        """The block's preconditioned ``gradient`` with the current inverses; on the output
+        side only (``A_inv`` left out) unless ``inputs``."""
         a_inverse, g_inverse = self.inverses()
         return self.block.precondition(
-            gradient, Preconditioning(a_inverse=a_inverse, g_inverse=g_inverse), block_size)
+            gradient, Preconditioning(a_inverse=a_inverse if inputs else None,
+                                      g_inverse=g_inverse), block_size)
 
 
 class CurvatureEstimator:

@@ -131,6 +131,7 @@ class ThorOptions:
     seed: object = None
     weight_sharing: str = "mean"
     graft: object = None
+    precondition_inputs: bool = True
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -144,6 +145,8 @@ class ThorOptions:
         normalise("use_nesterov", check_bool(self.use_nesterov, "use_nesterov", _OWNER))
         normalise("enable_clip_grad", check_bool(self.enable_clip_grad, "enable_clip_grad",
                                                  _OWNER))
+        normalise("precondition_inputs", check_bool(self.precondition_inputs,
+                                                    "precondition_inputs", _OWNER))
         normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
         normalise("split_indices", _check_split_indices(self.split_indices))
         if self.block_size is not None:

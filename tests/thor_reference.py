@@ -413,12 +413,10 @@ class ThorReference:
                                                self.precondition_inputs)
         if key in ("kernel", "embeddings"):
             a_inverse, g_inverse = self.inverses[layer.name]
-            if not self.precondition_inputs:
-                a_inverse = (np.ones_like(a_inverse) if layer.kind == "embedding"
-                             else np.eye(len(a_inverse)))
             matrix = grad.reshape(len(a_inverse), -1)
-            matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
-                      else a_inverse @ matrix)
+            if self.precondition_inputs:
+                matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
+                          else a_inverse @ matrix)
             return (matrix @ g_inverse).reshape(grad.shape)
         if layer.kind == "layer_norm":
             return grad / (grad * grad / batch + root)

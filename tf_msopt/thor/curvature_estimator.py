@@ -214,15 +214,19 @@ class CurvatureEstimator:
     def _assign_inverses(self, inversions):
         """Inverts every factor of ``inversions`` (``(layer, a, g, use, damping)``; blocks of
         one size in one call) and assigns them where ``use`` holds."""
+        # Without the input side, A's inverse is never read: G's alone is computed.
+        inputs = self.options.precondition_inputs
         factors, use = [], []
         for layer, a, g, used, layer_damping in inversions:
-            factors += layer.block.inversion_factors(a, g, layer_damping, layer.inverses(),
-                                                     self.options.block_size)
-            use += [used, used]
+            a_factor, g_factor = layer.block.inversion_factors(
+                a, g, layer_damping, layer.inverses(), self.options.block_size)
+            factors += [a_factor, g_factor] if inputs else [g_factor]
+            use += [used] * (2 if inputs else 1)
         inverses, retried, kept = robust_inverses(factors, use)
         inverses = iter(inverses)
         for layer, *_ in inversions:
-            _assign(layer.a_inverse, next(inverses))
+            if inputs:
+                _assign(layer.a_inverse, next(inverses))
             _assign(layer.g_inverse, next(inverses))
         _assign_add(self.damping_retries, retried)
         _assign_add(self.failed_inverses, kept)

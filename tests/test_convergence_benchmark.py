@@ -364,20 +364,25 @@ def test_robustness_scales_the_defaults_learning_rate_and_damping():
     assert params == pytest.approx({"lr_scale": 1 / 3, "lr": 0.02, "damping_scale": 1.0,
                                     "damping": 0.3})
     assert kwargs["learning_rate"] == params["lr"] and kwargs["damping"] == 0.3
-    # Without a damping, only the learning rate is scaled.
+    # Without a damping, or with one that changes no step, only the learning rate is scaled.
     assert [label for label, _, _ in convergence.robustness_points({"learning_rate": 0.1})] == [
         "lr x1/3", "lr x1", "lr x3"]
+    inert = dict(defaults, preconditioner="eigenbasis", graft="adam")
+    assert [label for label, _, _ in convergence.robustness_points(inert)] == [
+        "lr x1/3", "lr x1", "lr x3"]
+    assert all(kwargs["damping"] == 0.3 for _, _, kwargs in convergence.robustness_points(inert))
 
 
-def test_robustness_block_builds_the_nine_thor_points_and_adam_and_muon(default_thor):
+def test_robustness_block_builds_the_thor_points_and_adam_and_muon(default_thor):
     settings = convergence.block_settings("mlp", None, "robustness")
+    thor_points = 9 if mso.THOR(**default_thor.DEFAULTS).uses_damping else 3
     assert {name: len(points) for name, points in settings.items()} == {
-        "THOR": 9, "Adam": 3, "Muon": 3}
+        "THOR": thor_points, "Adam": 3, "Muon": 3}
     model = convergence.build_model("mnist_mlp", (784,), 10)
     for name, base in (("Adam", 1e-3), ("Muon", 1e-3)):
         rates = [make(0)(model).learning_rate.numpy() for _, _, make in settings[name]]
         assert np.allclose(rates, [base / 3, base, 3 * base])
-    _, params, make = settings["THOR"][-1]                      # lr x3 damping x3
+    _, params, make = settings["THOR"][-1]                      # lr x3 (damping x3)
     optimizer = make(0)(model)
     assert isinstance(optimizer, mso.THOR)
     assert math.isclose(params["lr"], 3 * default_thor.DEFAULTS["learning_rate"])
@@ -495,6 +500,31 @@ def test_each_block_runs_from_the_command_line(tiny_task, default_thor, tmp_path
         other = str(tmp_path / "d.json")
         convergence.save_results(other, {"tiny": {**defaults, "runs": {}}})
         convergence.load_results([path, other])
+
+
+def test_a_later_defaults_or_robustness_file_replaces_an_optimizers_points(tmp_path):
+    """Merging robustness files: a later file's points of an optimizer replace all of the
+    earlier ones (a new default's grid has other labels), and THOR's defaults come with
+    them; in the tuned block settings add up."""
+    def write(name, block, runs, defaults):
+        path = str(tmp_path / name)
+        convergence.save_results(path, {"mlp": {
+            "block": block, "target": 0.97, "seeds": [0], "max_epochs": 5, "batch_size": 64,
+            "thor_defaults": defaults, "runs": {
+                optimizer: {label: {"params": {}, "epochs": [2], "seconds": [1.0]}
+                            for label in labels} for optimizer, labels in runs.items()}}})
+        return path
+
+    old = write("old.json", "robustness", {"THOR": ["lr x1 damping x1", "lr x3 damping x1"],
+                                           "Adam": ["lr x1"]}, {"damping_mode": "relative"})
+    new = write("new.json", "robustness", {"THOR": ["lr x1", "lr x3"]}, {"graft": "adam"})
+    merged = convergence.load_results([old, new])["mlp"]
+    assert {name: list(points) for name, points in merged["runs"].items()} == {
+        "THOR": ["lr x1", "lr x3"], "Adam": ["lr x1"]}
+    assert merged["thor_defaults"] == {"graft": "adam"}
+    tuned = [write(f"{name}.json", "tuned", {"THOR": [label]}, None)
+             for name, label in (("a", "lr=0.1"), ("b", "lr=0.2"))]
+    assert list(convergence.load_results(tuned)["mlp"]["runs"]["THOR"]) == ["lr=0.1", "lr=0.2"]
 
 
 def test_charlm_trains_on_a_subset_and_is_judged_by_its_loss(tmp_path):

@@ -50,6 +50,26 @@ def block_inverse(matrix, damping, block_size):
     return result
 
 
+def eigenvectors(matrix):
+    """The eigenvectors of a symmetric matrix (or of each of a stack), eigenvalues descending,
+    zero where the eigenvalue is at most ``n * eps32 * max`` (float32's rounding level)."""
+    values, vectors = np.linalg.eigh(matrix)
+    rounding = matrix.shape[-1] * np.finfo(np.float32).eps * values.max(axis=-1, keepdims=True)
+    return (vectors * (values > rounding)[..., None, :])[..., ::-1]
+
+
+def block_eigenvectors(matrix, block_size):
+    """``blockdiag(eigenvectors of M_b)`` (eigenvalues descending) over diagonal blocks of
+    ``block_size`` (None: full)."""
+    n = matrix.shape[0]
+    size = n if block_size is None else min(n, block_size)
+    result = np.zeros_like(matrix)
+    for start in range(0, n, size):
+        end = min(start + size, n)
+        result[start:end, start:end] = eigenvectors(matrix[start:end, start:end])
+    return result
+
+
 # ---------------------------------------------------------------------------- network
 
 _ACTIVATIONS = {
@@ -261,7 +281,7 @@ class ThorReference:
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
                  statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
-                 precondition_inputs=True):
+                 precondition_inputs=True, preconditioner="inverse"):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
@@ -274,6 +294,8 @@ class ThorReference:
         self.statistics_frequency = statistics_frequency
         self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
         self.graft, self.precondition_inputs = graft, precondition_inputs
+        self.preconditioner = preconditioner
+        self.rotated_moments = {}
         self.second_moments = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses = {}
@@ -405,9 +427,47 @@ class ThorReference:
             if self.trace_thresholds is not None and not self.trace_rule(
                     layer, self.damped_trace(layer, a, g, a_damping, g_damping)):
                 continue
-            self.inverses[layer.name] = self.inverses_of(layer, a, g, a_damping, g_damping)
+            self.inverses[layer.name] = (
+                self.inverses_of(layer, a, g, a_damping, g_damping)
+                if self.preconditioner == "inverse" else self.eigenvectors_of(layer, a, g))
+
+    def eigenvectors_of(self, layer, a, g):
+        """``(Q_A, Q_G)`` (per channel for depthwise); ``Q_A`` None where ``A`` is diagonal or
+        the input side is not preconditioned."""
+        inputs = self.precondition_inputs and layer.kind != "embedding"
+        if layer.kind == "depthwise":
+            return [(eigenvectors(a_c) if inputs else None, eigenvectors(g_c))
+                    for a_c, g_c in zip(a, g)]
+        return (block_eigenvectors(a, self.block_size) if inputs else None,
+                block_eigenvectors(g, self.block_size))
+
+    def eigenbasis_step(self, layer, grad, step, beta2=0.999, epsilon=1e-7):
+        """Adam's step (no first moment) on the gradient in the factors' eigenbases."""
+        def transposed(bases):
+            return [(None if a is None else a.T, g) for a, g in bases]
+
+        bases = self.inverses[layer.name]
+        per_channel = layer.kind == "depthwise"
+        rotate = self.depthwise_precondition if per_channel else self.kernel_precondition
+        rotated = rotate(grad, transposed(bases) if per_channel else transposed([bases])[0])
+        moment = beta2 * self.rotated_moments.get(layer.name, 0.0) + (1 - beta2) * rotated ** 2
+        self.rotated_moments[layer.name] = moment
+        scaled = rotated / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
+        back = ([(a, g.T) for a, g in bases] if per_channel else (bases[0], bases[1].T))
+        return rotate(scaled, back)
+
+    @staticmethod
+    def kernel_precondition(grad, factors):
+        """``L g R`` on the kernel as a matrix (``L`` None: left alone)."""
+        left, right = factors
+        matrix = grad.reshape(-1, len(right))
+        if left is not None:
+            matrix = left @ matrix
+        return (matrix @ right).reshape(grad.shape)
 
     def preconditioned(self, layer, key, grad, batch, root):
+        if self.preconditioner == "eigenbasis" and key in ("kernel", "embeddings"):
+            return self.eigenbasis_step(layer, grad, self.iterations)
         if key == "kernel" and layer.kind == "depthwise":
             return self.depthwise_precondition(grad, self.inverses[layer.name],
                                                self.precondition_inputs)
@@ -489,7 +549,7 @@ class ThorReference:
         out = np.empty_like(grad)
         for c, (a_inverse, g_inverse) in enumerate(inverses):
             matrix = grad[:, :, c, :].reshape(kh * kw, multiplier)
-            if inputs:
+            if inputs and a_inverse is not None:
                 matrix = a_inverse @ matrix
             out[:, :, c, :] = (matrix @ g_inverse).reshape(kh, kw, multiplier)
         return out

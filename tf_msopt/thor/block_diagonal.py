@@ -14,8 +14,8 @@ import tensorflow as tf
 
 from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
-__all__ = ["BlockLayout", "covariance_blocks", "robust_inverse", "robust_inverses",
-           "left_multiply", "right_multiply", "robust_reciprocal"]
+__all__ = ["BlockLayout", "covariance_blocks", "robust_eigenvectors", "robust_inverse",
+           "robust_inverses", "left_multiply", "right_multiply", "robust_reciprocal"]
 
 
 class BlockLayout(NamedTuple):
@@ -41,10 +41,15 @@ class BlockLayout(NamedTuple):
     def with_padding_identity(self, blocks):
         """``blocks`` (``[count, size, size]``, zero on padded positions) with a 1 on the
         diagonal of each padded position; a constant, built once per trace."""
+        return self.with_padding_diagonal(blocks, 1.0)
+
+    def with_padding_diagonal(self, blocks, value):
+        """``blocks`` with ``value`` on the diagonal of each padded position."""
         if not self.padding:
             return blocks
         mask = (np.arange(self.count * self.size) >= self.dim).reshape(self.count, 1, self.size)
-        return blocks + tf.constant(np.eye(self.size, dtype=np.float32) * mask, blocks.dtype)
+        return blocks + tf.constant(value * np.eye(self.size, dtype=np.float32) * mask,
+                                    blocks.dtype)
 
 
 def _split(matrix, layout, axis):
@@ -162,6 +167,33 @@ def _robust_inverse_group(factors, use):
                         joined([previous for _, _, previous in factors]))
     split = [inverses] if len(factors) == 1 else tf.split(inverses, counts)
     return split, _count(retried & used), _count(used & tf.logical_not(ok))
+
+
+def robust_eigenvectors(statistics, layout, previous):
+    """The eigenvectors (columns, eigenvalues descending) of each block of ``statistics``
+    (``[count, size, size]``, zero on padded positions), with a zero column in place of each
+    eigenvector whose eigenvalue is at the rounding level of the block's largest
+    (``size * eps * max``, the numerical rank's tolerance); a block that is not finite, or
+    whose eigenvectors are not, keeps its ``previous`` ones.
+
+    A gradient has no component along such a direction (its inputs or output gradients never
+    vary there: dead units, pixels that are always zero, a softmax's sum); its rotated entry
+    would be rounding alone, which Adam's division by its own size would make a full step.
+    Padded positions get the eigenvalue -1, so their columns are zero too.
+
+    Returns:
+        ``(eigenvectors, kept)``: the blocks, and how many kept their previous value.
+    """
+    finite = tf.reduce_all(tf.math.is_finite(statistics), axis=[-2, -1])
+    matrices = tf.where(finite[:, None, None], layout.with_padding_diagonal(statistics, -1.0),
+                        tf.eye(layout.size, batch_shape=[layout.count], dtype=statistics.dtype))
+    values, vectors = tf.linalg.eigh(matrices)
+    rounding = (layout.size * np.finfo(statistics.dtype.as_numpy_dtype).eps
+                * tf.reduce_max(values, axis=-1, keepdims=True))
+    vectors = tf.reverse(vectors * tf.cast(values > rounding, vectors.dtype)[:, None, :],
+                         axis=[-1])
+    ok = finite & tf.reduce_all(tf.math.is_finite(vectors), axis=[-2, -1])
+    return tf.where(ok[:, None, None], vectors, previous), _count(tf.logical_not(ok))
 
 
 def robust_reciprocal(diagonal, damping, previous):

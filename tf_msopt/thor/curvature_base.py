@@ -52,9 +52,12 @@ def from_config(config):
 
 @dataclasses.dataclass(frozen=True)
 class Preconditioning:
-    """What a block may need to precondition a gradient (read once per variable);
-    ``a_inverse`` is None where only the output side is preconditioned
-    (``precondition_inputs=False``)."""
+    """What a block may need to precondition a gradient (read once per variable).
+
+    ``a_inverse`` and ``g_inverse`` are the matrices a kernel is multiplied by on its input
+    and output side: the factors' inverses, or the rotations into and out of their
+    eigenbases (``preconditioner="eigenbasis"``). ``a_inverse`` is None where the input side
+    is left alone (``precondition_inputs=False``, or a diagonal ``A`` in an eigenbasis)."""
 
     a_inverse: object = None
     g_inverse: object = None
@@ -189,6 +192,11 @@ class KroneckerBlock(CurvatureBlock):
 
     def factor_shapes(self, block_size):
         return self.a_layout(block_size).shape, self.g_layout(block_size).shape
+
+    @property
+    def kernel_elements(self):
+        """How many entries the kernel has."""
+        return self.a_dim * self.g_dim
 
     def describe(self, block_size):
         return (f"{self.rule}; A {self.a_dim}x{self.a_dim} in {self.a_layout(block_size).count} "

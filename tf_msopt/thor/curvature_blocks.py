@@ -241,6 +241,10 @@ class DepthwiseConvBlock(KroneckerBlock):
     def a_layout(self, block_size):
         return BlockLayout(self.channels * self.a_dim, self.a_dim, self.channels)
 
+    @property
+    def kernel_elements(self):
+        return self.channels * self.a_dim * self.g_dim
+
     def g_layout(self, block_size):
         return BlockLayout(self.channels * self.g_dim, self.g_dim, self.channels)
 

@@ -13,9 +13,10 @@ import dataclasses
 import tensorflow as tf
 
 from tf_msopt._common import tf_variable
-from tf_msopt.thor.block_diagonal import robust_inverses
+from tf_msopt.thor.block_diagonal import robust_eigenvectors, robust_inverses
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning
 from tf_msopt.thor.execution import TracedOnce, buckets, on_each_device, sum_over_replicas, when
+from tf_msopt.thor.grafting import adam_step
 
 __all__ = ["CurvatureEstimator", "LayerCurvature"]
 
@@ -40,7 +41,12 @@ class LayerCurvature:
 
     Attributes:
         block: the layer's curvature block.
-        a_inverse, g_inverse: the inverses of its damped factors.
+        a_inverse, g_inverse: the inverses of its damped factors (``preconditioner="inverse"``;
+            ``a_inverse`` stays the identity without ``precondition_inputs``).
+        a_eigenvectors, g_eigenvectors, rotated_second_moment: with
+            ``preconditioner="eigenbasis"``, the eigenvectors of its factors (none for ``A``
+            when it is diagonal or its side is not preconditioned) and Adam's second moment
+            of the gradient rotated into them, flat.
         a_average, g_average, count: with ``statistics_decay``, the moving averages of
             ``A`` and ``G`` and how many updates they have had.
         trace, trace_decisions: with ``trace_thresholds``, the trace of the last
@@ -48,13 +54,21 @@ class LayerCurvature:
     """
 
     block: CurvatureBlock
-    a_inverse: object
-    g_inverse: object
+    a_inverse: object = None
+    g_inverse: object = None
+    a_eigenvectors: object = None
+    g_eigenvectors: object = None
+    rotated_second_moment: object = None
     a_average: object = None
     g_average: object = None
     count: object = None
     trace: object = None
     trace_decisions: object = None
+
+    @property
+    def device_variable(self):
+        """A variable of this state: says on which device a per-device function runs."""
+        return self.g_inverse if self.g_inverse is not None else self.g_eigenvectors
 
     def inverses(self):
         return tf.convert_to_tensor(self.a_inverse), tf.convert_to_tensor(self.g_inverse)
@@ -66,6 +80,18 @@ class LayerCurvature:
         return self.block.precondition(
             gradient, Preconditioning(a_inverse=a_inverse if inputs else None,
                                       g_inverse=g_inverse), block_size)
+
+    def eigenbasis_step(self, gradient, block_size, step, assign):
+        """Adam's step (no first moment) on ``gradient`` rotated into the eigenbases of the
+        factors, ``Q_A^T g Q_G``, rotated back."""
+        a = None if self.a_eigenvectors is None else tf.convert_to_tensor(self.a_eigenvectors)
+        g = tf.convert_to_tensor(self.g_eigenvectors)
+        rotated = self.block.precondition(gradient, Preconditioning(
+            a_inverse=None if a is None else tf.linalg.matrix_transpose(a), g_inverse=g),
+            block_size)
+        scaled = adam_step(self.rotated_second_moment, rotated, step, assign)
+        return self.block.precondition(scaled, Preconditioning(
+            a_inverse=a, g_inverse=tf.linalg.matrix_transpose(g)), block_size)
 
 
 class CurvatureEstimator:
@@ -97,9 +123,20 @@ class CurvatureEstimator:
         options = self.options
         for block in self.blocks:
             a_shape, g_shape = block.factor_shapes(options.block_size)
-            layer = LayerCurvature(
-                block, add_variable(a_shape, _identity_blocks, f"{block.layer}_a_inverse"),
-                add_variable(g_shape, _identity_blocks, f"{block.layer}_g_inverse"))
+            if options.preconditioner == "inverse":
+                layer = LayerCurvature(
+                    block, add_variable(a_shape, _identity_blocks, f"{block.layer}_a_inverse"),
+                    add_variable(g_shape, _identity_blocks, f"{block.layer}_g_inverse"))
+            else:
+                layer = LayerCurvature(
+                    block, g_eigenvectors=add_variable(g_shape, _identity_blocks,
+                                                       f"{block.layer}_g_eigenvectors"),
+                    rotated_second_moment=add_variable(
+                        (block.kernel_elements,), "zeros",
+                        f"{block.layer}_rotated_second_moment"))
+                if options.precondition_inputs and len(a_shape) == 3:
+                    layer.a_eigenvectors = add_variable(a_shape, _identity_blocks,
+                                                        f"{block.layer}_a_eigenvectors")
             if options.statistics_decay is not None:
                 layer.a_average = add_variable(a_shape, "zeros", f"{block.layer}_a_average")
                 layer.g_average = add_variable(g_shape, "zeros", f"{block.layer}_g_average")
@@ -133,7 +170,7 @@ class CurvatureEstimator:
 
         def refresh():
             for bucket in buckets(len(statistics), self.options.split_indices):
-                first = self.layers[bucket[0]].a_inverse
+                first = self.layers[bucket[0]].device_variable
                 reduced = sum_over_replicas(
                     distribution, [value for index in bucket for value in statistics[index]],
                     first)
@@ -147,7 +184,8 @@ class CurvatureEstimator:
     def _refresh_bucket(self, device_variable, bucket, statistics, damping, g_scale):
         """One bucket's layers on one device, from statistics summed over replicas: the
         moving averages (with ``statistics_decay``), then new inverses on inverse steps.
-        ``device_variable`` (the bucket's first A inverse there) only says which device."""
+        ``device_variable`` (a variable of the bucket's first layer there) only says which
+        device."""
         decay = self.options.statistics_decay
         fresh = []
         for index, (a, g, rows) in zip(bucket, statistics):
@@ -200,15 +238,38 @@ class CurvatureEstimator:
         fresh = [(layer, a, g, observed, self._layer_damping(layer.block, a, g, damping))
                  for layer, a, g, observed in fresh]
         if self.options.trace_thresholds is None:
-            self._assign_inverses(fresh)
+            self._assign_factors(fresh)
             return tf.constant(True)
         for layer, a, g, observed, layer_damping in fresh:
             refresh = self._trace_rule(layer, layer.block.damped_trace(
                 a, g, layer_damping, self.options.block_size), observed)
             inversion = (layer, a, g, refresh, layer_damping)
             # The rule exists to save the inversion: skip it, not only its result.
-            tf.cond(refresh, lambda inversion=inversion: self._assign_inverses([inversion]),
+            tf.cond(refresh, lambda inversion=inversion: self._assign_factors([inversion]),
                     lambda: tf.constant(False))
+        return tf.constant(True)
+
+    def _assign_factors(self, inversions):
+        """New inverses, or eigenvectors with ``preconditioner="eigenbasis"``."""
+        if self.options.preconditioner == "eigenbasis":
+            return self._assign_eigenvectors(inversions)
+        return self._assign_inverses(inversions)
+
+    def _assign_eigenvectors(self, inversions):
+        """The eigenvectors of the factors of ``inversions`` (``(layer, a, g, use, damping)``;
+        damping leaves them unchanged), assigned where ``use`` holds."""
+        block_size, kept = self.options.block_size, []
+        for layer, a, g, used, _ in inversions:
+            block = layer.block
+            sides = [(layer.g_eigenvectors, g, block.g_layout(block_size))]
+            if layer.a_eigenvectors is not None:
+                sides.append((layer.a_eigenvectors, a, block.a_layout(block_size)))
+            for variable, statistics, layout in sides:
+                previous = tf.convert_to_tensor(variable)
+                vectors, failed = robust_eigenvectors(statistics, layout, previous)
+                _assign(variable, tf.where(used, vectors, previous))
+                kept.append(tf.where(used, failed, tf.zeros_like(failed)))
+        _assign_add(self.failed_inverses, tf.add_n(kept))
         return tf.constant(True)
 
     def _assign_inverses(self, inversions):

@@ -1,10 +1,11 @@
 """``tf_msopt.thor(model, ...)`` and ``tf_msopt.thor.connect(model)``: a THOR for a model.
 
 ``tf_msopt.thor(model)`` with no hyper-parameters is the default, one configuration for
-every model kind (:data:`DEFAULTS`): Adam-grafted steps (a learning rate that means what
-it means to Adam), damping relative to each factor's mean eigenvalue (no scale to tune),
-new inverses every 10 steps. Given MindSpore's ``learning_rate``, ``damping`` and
-``momentum``, it is MindSpore's THOR, with MindSpore's defaults for the rest.
+every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronecker factors
+(SOAP's direction), each step grafted to Adam's length (a learning rate that means what it
+means to Adam), the factors' moving averages over steps and new eigenvectors every 10
+steps. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's
+THOR, with MindSpore's defaults for the rest.
 """
 from tf_msopt._validation import type_name
 from tf_msopt.thor.optimizer import THOR
@@ -16,20 +17,20 @@ _OWNER = "THOR"
 #: The keyword arguments of ``tf_msopt.thor(model)``; another learning rate is
 #: ``tf_msopt.thor(model, **{**DEFAULTS, "learning_rate": 0.01})``.
 DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
-            "damping_mode": "relative", "graft": "adam"}
-_MINDSPORE_FREQUENCY = 100
+            "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
+            "statistics_decay": 0.95, "block_size": 1024}
+_MINDSPORE = {"frequency": 100, "block_size": 128}
 
 
 def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.0,
          loss_scale=1.0, batch_size=32, use_nesterov=False, decay_filter=None,
-         split_indices=None, enable_clip_grad=False, frequency=None, block_size=128,
-         **kwargs):
+         split_indices=None, enable_clip_grad=False, frequency=None, **kwargs):
     """Creates a :class:`THOR` optimizer for ``model`` and connects it to the model's layers.
 
     ``thor(model)`` is the default configuration (:data:`DEFAULTS`; any argument given
     replaces its entry). ``thor(model, learning_rate, damping, momentum, ...)`` is
-    MindSpore's THOR (``frequency`` 100 unless given); the learning rate, damping and
-    momentum are given together or not at all.
+    MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given); the learning
+    rate, damping and momentum are given together or not at all.
 
     Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
     preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
@@ -48,14 +49,13 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
             f" missing.")
     options = dict(weight_decay=weight_decay, loss_scale=loss_scale, batch_size=batch_size,
                    use_nesterov=use_nesterov, decay_filter=decay_filter,
-                   split_indices=split_indices, enable_clip_grad=enable_clip_grad,
-                   block_size=block_size, **kwargs)
+                   split_indices=split_indices, enable_clip_grad=enable_clip_grad, **kwargs)
     if frequency is not None:
         options["frequency"] = frequency
     if missing:
         options = {**DEFAULTS, **options}
     else:
-        options = {"frequency": _MINDSPORE_FREQUENCY, **given, **options}
+        options = {**_MINDSPORE, **given, **options}
     return THOR(**options).connect(model)
 
 

@@ -18,7 +18,20 @@ References:
 """
 import tensorflow as tf
 
-__all__ = ["AdamGraft"]
+__all__ = ["AdamGraft", "adam_step"]
+
+BETA2 = 0.999
+EPSILON = 1e-7     # Keras' Adam's
+
+
+def adam_step(moment, gradient, step, assign):
+    """Adam's step without its first moment, ``g / (sqrt(v / (1-beta2^t)) + eps)``, at ``step``
+    (0 for the first), updating the second moment ``v = beta2*v + (1-beta2)*g^2`` held in the
+    variable ``moment`` (any shape with ``gradient``'s size) with ``assign``."""
+    value = BETA2 * tf.reshape(moment, tf.shape(gradient)) + (1.0 - BETA2) * tf.square(gradient)
+    assign(moment, tf.reshape(value, moment.shape))
+    correction = 1.0 - tf.pow(BETA2, tf.cast(step, tf.float32) + 1.0)
+    return gradient / (tf.sqrt(value / correction) + EPSILON)
 
 
 class AdamGraft:
@@ -31,9 +44,6 @@ class AdamGraft:
         variables: the variables THOR was built for, in order.
     """
 
-    beta2 = 0.999
-    epsilon = 1e-7     # Keras' Adam's
-
     def __init__(self, add_slot, assign, variables):
         self.assign = assign
         self.second_moments = [add_slot(variable, "graft_second_moment")
@@ -43,11 +53,7 @@ class AdamGraft:
         """The grafted direction of variable ``index`` at ``step`` (0 for the first):
         ``preconditioned`` rescaled to Adam's step length, or Adam's step where
         ``preconditioned`` is None."""
-        moment = self.second_moments[index]
-        value = self.beta2 * moment + (1.0 - self.beta2) * tf.square(gradient)
-        self.assign(moment, value)
-        correction = 1.0 - tf.pow(self.beta2, tf.cast(step, tf.float32) + 1.0)
-        adam = gradient / (tf.sqrt(value / correction) + self.epsilon)
+        adam = adam_step(self.second_moments[index], gradient, step, self.assign)
         if preconditioned is None:
             return adam
         return preconditioned * tf.math.divide_no_nan(tf.norm(adam), tf.norm(preconditioned))

@@ -137,12 +137,18 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             estimated, as the damping and the trace rule read it, but not inverted). Whitening a layer's
             inputs can fit the training set faster than it generalises, as on an MLP over
             raw pixels.
+        preconditioner: ``"inverse"`` (MindSpore: ``A_inv g G_inv``) or ``"eigenbasis"``:
+            Adam run in the eigenbases of the factors (SOAP), ``Q_A (r / (sqrt(v_hat) +
+            eps)) Q_G^T`` with ``r = Q_A^T g Q_G``, ``Q`` the eigenvectors of ``A`` and ``G``
+            (recomputed where the inverses would be; damping does not change them) and
+            ``v`` Adam's second moment of ``r`` (``beta2`` 0.999, ``eps`` 1e-7). An
+            Embedding's diagonal ``A`` has the identity for eigenvectors.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
     With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``,
-    ``trace_thresholds``, ``weight_sharing``, ``graft`` and ``precondition_inputs`` changed,
-    the update is MindSpore's exactly.
+    ``trace_thresholds``, ``weight_sharing``, ``graft``, ``precondition_inputs`` and
+    ``preconditioner`` changed, the update is MindSpore's exactly.
 
     References:
         Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented
@@ -150,7 +156,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         Grosse and Martens. A Kronecker-factored approximate Fisher matrix for
         convolution layers. ICML 2016 (KFC). Eschenhagen et al. Kronecker-Factored
         Approximate Curvature for Modern Neural Network Architectures. NeurIPS 2023
-        (K-FAC-expand).
+        (K-FAC-expand). Vyas et al. SOAP: Improving and Stabilizing Shampoo using Adam.
+        ICLR 2025.
     """
 
     def __init__(self, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
@@ -158,7 +165,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                  enable_clip_grad=False, frequency=100, block_size=128, damping_mode="sqrt",
                  statistics_decay=None, statistics_frequency=None, fisher="empirical",
                  kl_clip=None, trace_thresholds=None, seed=None, weight_sharing="mean",
-                 graft=None, precondition_inputs=True, layers=None, name=None,
+                 graft=None, precondition_inputs=True, preconditioner="inverse", layers=None,
+                 name=None,
                  jit_compile=None, **kwargs):
         options = ThorOptions(
             damping, momentum, loss_scale=loss_scale, batch_size=batch_size,
@@ -167,7 +175,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             damping_mode=damping_mode, statistics_decay=statistics_decay,
             statistics_frequency=statistics_frequency, fisher=fisher, kl_clip=kl_clip,
             trace_thresholds=trace_thresholds, seed=seed, weight_sharing=weight_sharing,
-            graft=graft, precondition_inputs=precondition_inputs, weight_decay=weight_decay)
+            graft=graft, precondition_inputs=precondition_inputs, preconditioner=preconditioner,
+            weight_decay=weight_decay)
         check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)
@@ -186,6 +195,11 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if options is not None and name in _OPTIONS:
             return getattr(options, name)
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    @property
+    def uses_damping(self):
+        """Whether ``damping`` changes any step (see :class:`ThorOptions`)."""
+        return self.options.uses_damping
 
     # --- the model
 
@@ -245,6 +259,9 @@ class THOR(LossScaleLink, MindSporeOptimizer):
 
     a_inverses = _layer_state("a_inverse")
     g_inverses = _layer_state("g_inverse")
+    a_eigenvectors = _layer_state("a_eigenvectors")
+    g_eigenvectors = _layer_state("g_eigenvectors")
+    rotated_second_moments = _layer_state("rotated_second_moment")
     a_averages = _layer_state("a_average")
     g_averages = _layer_state("g_average")
     statistics_counts = _layer_state("count")
@@ -405,6 +422,9 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if rule is None:
             return gradient
         if isinstance(rule, LayerCurvature):
+            if self.preconditioner == "eigenbasis":
+                return rule.eigenbasis_step(gradient, self.block_size, self.iterations,
+                                            self.assign)
             return rule.precondition(gradient, self.block_size, self.precondition_inputs)
         state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
                                 damping=self._damping())

@@ -13,6 +13,7 @@ _DAMPING_MODES = ("sqrt", "pi", "relative")
 _GRAFTS = (None, "adam")
 _FISHERS = ("empirical", "sampled")
 _WEIGHT_SHARINGS = ("mean", "expand")
+_PRECONDITIONERS = ("inverse", "eigenbasis")
 
 
 def _non_negative(value, arg, allow_int=True):
@@ -132,6 +133,7 @@ class ThorOptions:
     weight_sharing: str = "mean"
     graft: object = None
     precondition_inputs: bool = True
+    preconditioner: str = "inverse"
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -161,11 +163,19 @@ class ThorOptions:
         _check_choice(self.fisher, "fisher", _FISHERS)
         _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
         _check_choice(self.graft, "graft", _GRAFTS)
+        _check_choice(self.preconditioner, "preconditioner", _PRECONDITIONERS)
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
         normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))
         normalise("seed", _check_seed(self.seed, self.fisher))
         normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
+
+    @property
+    def uses_damping(self):
+        """Whether ``damping`` changes any step: not in an eigenbasis (eigenvectors ignore it)
+        with every other variable on Adam's step (``graft``) and no trace rule."""
+        return not (self.preconditioner == "eigenbasis" and self.graft is not None
+                    and self.trace_thresholds is None)
 
     def get_config(self):
         """The options as the optimizer's config writes them (``weight_decay`` is Keras')."""

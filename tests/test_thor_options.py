@@ -88,6 +88,33 @@ def test_option_defaults_and_config_round_trip():
     assert restored.trace_thresholds == (0.2, 0.01)
 
 
+def test_damping_changes_no_step_in_a_grafted_eigenbasis():
+    """``uses_damping`` is False where no step reads the damping: the same run with damping
+    1e-3 and 10 gives the same weights. The trace rule, the LayerNorm rule (without the
+    graft) and the inverse read it."""
+    def weights(damping, **options):
+        model = small_model()
+        optimizer = mso.thor(model, **{**mso.thor.DEFAULTS, "damping": damping,
+                                       "frequency": 2, **options})
+        model.compile(optimizer=optimizer,
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        rng = np.random.default_rng(0)
+        model.fit(rng.normal(size=(48, 4)).astype("float32"), rng.integers(0, 3, size=48),
+                  batch_size=8, shuffle=False, verbose=0)
+        return optimizer, model.get_weights()
+
+    inert, low = weights(1e-3)
+    assert not inert.uses_damping
+    for got, want in zip(weights(10.0)[1], low):
+        np.testing.assert_array_equal(got, want)
+    for options in (dict(trace_thresholds=(0.25, 0.12)), dict(graft=None)):
+        assert weights(1e-3, **options)[0].uses_damping, options
+    acting, low = weights(1e-3, preconditioner="inverse")
+    assert acting.uses_damping
+    assert any(not np.allclose(got, want)
+               for got, want in zip(weights(10.0, preconditioner="inverse")[1], low))
+
+
 # -- pi damping and the trace rule -------------------------------------------------------------
 
 def test_pi_is_one_when_a_trace_is_zero():

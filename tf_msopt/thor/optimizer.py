@@ -198,7 +198,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
 
     @property
     def uses_damping(self):
-        """Whether ``damping`` changes any step (see :class:`ThorOptions`)."""
+        """Whether any step reads ``damping`` (see :class:`ThorOptions`)."""
         return self.options.uses_damping
 
     # --- the model

@@ -172,8 +172,9 @@ class ThorOptions:
 
     @property
     def uses_damping(self):
-        """Whether ``damping`` changes any step: not in an eigenbasis (eigenvectors ignore it)
-        with every other variable on Adam's step (``graft``) and no trace rule."""
+        """Whether any step reads ``damping``: not in an eigenbasis (eigenvectors ignore it)
+        with every other variable on Adam's step (``graft``, no LayerNorm rule) and no trace
+        rule."""
         return not (self.preconditioner == "eigenbasis" and self.graft is not None
                     and self.trace_thresholds is None)
 

@@ -234,24 +234,22 @@ def check_option_state(step, optimizer, reference):
 
 
 def check_eigenbasis_state(optimizer, reference):
-    """Eigenvectors in place of inverses, as the reference's up to each vector's sign."""
+    """Eigenvectors in place of inverses, as the reference's up to each vector's sign: each
+    column's dot product with the reference's is +-1 (0 for a dropped or padded one)."""
     assert optimizer.a_inverses == optimizer.g_inverses == []
-    layers = reference.factored_layers()
     a_vectors = iter(optimizer.a_eigenvectors)
-    for layer, g_vectors in zip(layers, optimizer.g_eigenvectors):
-        bases = reference.inverses[layer.name]
-        pairs = list(zip(*bases)) if layer.kind == "depthwise" else [
-            [bases[0]], [bases[1]]]
-        a_want, g_want = pairs
-        sides = [(g_vectors, g_want)]
-        if a_want[0] is not None:
-            sides.append((next(a_vectors), a_want))
+    for layer, g_vectors in zip(reference.factored_layers(), optimizer.g_eigenvectors):
+        bases = reference.bases[layer.name]
+        if layer.kind == "depthwise":
+            a_want, g_want = (None if bases[0][0] is None else np.stack([a for a, _ in bases]),
+                              np.stack([g for _, g in bases]))
+        else:
+            a_want, g_want = (None if bases[0] is None else statistics_blocks(bases[0], "dense"),
+                              statistics_blocks(bases[1], "dense"))
+        sides = [(g_vectors, g_want)] + ([] if a_want is None else [(next(a_vectors), a_want)])
         for variable, want in sides:
-            got = variable.numpy()
-            want = (np.stack(want) if layer.kind == "depthwise"
-                    else statistics_blocks(want[0], layer.kind))
-            np.testing.assert_allclose(np.abs(np.sum(got * want, axis=-2)),
-                                       np.abs(np.sum(want * want, axis=-2)), atol=1e-4,
+            np.testing.assert_allclose(np.abs(np.sum(variable.numpy() * want, axis=-2)),
+                                       np.sum(want * want, axis=-2), atol=1e-4,
                                        err_msg=variable.path)
     assert next(a_vectors, None) is None
 

@@ -298,7 +298,7 @@ class ThorReference:
         self.rotated_moments = {}
         self.second_moments = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
-        self.inverses = {}
+        self.inverses, self.bases = {}, {}
         self.averages, self.counts = {}, {}
         self.traces, self.decisions, self.deltas, self.frozen = {}, {}, {}, set()
         self.kl_factors = []
@@ -427,9 +427,10 @@ class ThorReference:
             if self.trace_thresholds is not None and not self.trace_rule(
                     layer, self.damped_trace(layer, a, g, a_damping, g_damping)):
                 continue
-            self.inverses[layer.name] = (
-                self.inverses_of(layer, a, g, a_damping, g_damping)
-                if self.preconditioner == "inverse" else self.eigenvectors_of(layer, a, g))
+            if self.preconditioner == "eigenbasis":
+                self.bases[layer.name] = self.eigenvectors_of(layer, a, g)
+            else:
+                self.inverses[layer.name] = self.inverses_of(layer, a, g, a_damping, g_damping)
 
     def eigenvectors_of(self, layer, a, g):
         """``(Q_A, Q_G)`` (per channel for depthwise); ``Q_A`` None where ``A`` is diagonal or
@@ -443,18 +444,20 @@ class ThorReference:
 
     def eigenbasis_step(self, layer, grad, step, beta2=0.999, epsilon=1e-7):
         """Adam's step (no first moment) on the gradient in the factors' eigenbases."""
-        def transposed(bases):
-            return [(None if a is None else a.T, g) for a, g in bases]
+        depthwise = layer.kind == "depthwise"
+        pairs = self.bases[layer.name] if depthwise else [self.bases[layer.name]]
 
-        bases = self.inverses[layer.name]
-        per_channel = layer.kind == "depthwise"
-        rotate = self.depthwise_precondition if per_channel else self.kernel_precondition
-        rotated = rotate(grad, transposed(bases) if per_channel else transposed([bases])[0])
+        def rotate(matrix, into):
+            factors = [(None if a is None else a.T if into else a, g if into else g.T)
+                       for a, g in pairs]
+            return (self.depthwise_precondition(matrix, factors) if depthwise
+                    else self.kernel_precondition(matrix, factors[0]))
+
+        rotated = rotate(grad, into=True)
         moment = beta2 * self.rotated_moments.get(layer.name, 0.0) + (1 - beta2) * rotated ** 2
         self.rotated_moments[layer.name] = moment
-        scaled = rotated / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
-        back = ([(a, g.T) for a, g in bases] if per_channel else (bases[0], bases[1].T))
-        return rotate(scaled, back)
+        return rotate(rotated / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon),
+                      into=False)
 
     @staticmethod
     def kernel_precondition(grad, factors):

@@ -169,12 +169,13 @@ def _robust_inverse_group(factors, use):
     return split, _count(retried & used), _count(used & tf.logical_not(ok))
 
 
-def robust_eigenvectors(statistics, layout, previous):
+def robust_eigenvectors(statistics, layout, previous, use=True):
     """The eigenvectors (columns, eigenvalues descending) of each block of ``statistics``
     (``[count, size, size]``, zero on padded positions), with a zero column in place of each
     eigenvector whose eigenvalue is at the rounding level of the block's largest
     (``size * eps * max``, the numerical rank's tolerance); a block that is not finite, or
-    whose eigenvectors are not, keeps its ``previous`` ones.
+    whose eigenvectors are not, keeps its ``previous`` ones. Not ``use`` (a scalar bool), as
+    in :func:`robust_inverses`: all keep ``previous`` and nothing is counted.
 
     A gradient has no component along such a direction (its inputs or output gradients never
     vary there: dead units, pixels that are always zero, a softmax's sum); its rotated entry
@@ -182,7 +183,8 @@ def robust_eigenvectors(statistics, layout, previous):
     Padded positions get the eigenvalue -1, so their columns are zero too.
 
     Returns:
-        ``(eigenvectors, kept)``: the blocks, and how many kept their previous value.
+        ``(eigenvectors, kept)``: the blocks, and how many of the used ones kept their
+        previous value.
     """
     finite = tf.reduce_all(tf.math.is_finite(statistics), axis=[-2, -1])
     matrices = tf.where(finite[:, None, None], layout.with_padding_diagonal(statistics, -1.0),
@@ -193,7 +195,8 @@ def robust_eigenvectors(statistics, layout, previous):
     vectors = tf.reverse(vectors * tf.cast(values > rounding, vectors.dtype)[:, None, :],
                          axis=[-1])
     ok = finite & tf.reduce_all(tf.math.is_finite(vectors), axis=[-2, -1])
-    return tf.where(ok[:, None, None], vectors, previous), _count(tf.logical_not(ok))
+    return (tf.where((ok & use)[:, None, None], vectors, previous),
+            _count(tf.logical_not(ok) & use))
 
 
 def robust_reciprocal(diagonal, damping, previous):

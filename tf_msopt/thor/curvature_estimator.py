@@ -265,10 +265,10 @@ class CurvatureEstimator:
             if layer.a_eigenvectors is not None:
                 sides.append((layer.a_eigenvectors, a, block.a_layout(block_size)))
             for variable, statistics, layout in sides:
-                previous = tf.convert_to_tensor(variable)
-                vectors, failed = robust_eigenvectors(statistics, layout, previous)
-                _assign(variable, tf.where(used, vectors, previous))
-                kept.append(tf.where(used, failed, tf.zeros_like(failed)))
+                vectors, failed = robust_eigenvectors(statistics, layout,
+                                                      tf.convert_to_tensor(variable), used)
+                _assign(variable, vectors)
+                kept.append(failed)
         _assign_add(self.failed_inverses, tf.add_n(kept))
         return tf.constant(True)
 

@@ -134,9 +134,9 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             (``v = m*v + (1-m)*d``), so the learning rate means what it means to Adam.
         precondition_inputs: True (MindSpore: ``A_inv g G_inv``) or False: kernels are
             preconditioned on their output side only, ``g G_inv`` (``A`` is still
-            estimated, as the damping and the trace rule read it, but not inverted). Whitening a layer's
-            inputs can fit the training set faster than it generalises, as on an MLP over
-            raw pixels.
+            estimated, as the damping and the trace rule read it, but not inverted).
+            Whitening a layer's inputs can fit the training set faster than it generalises,
+            as on an MLP over raw pixels.
         preconditioner: ``"inverse"`` (MindSpore: ``A_inv g G_inv``) or ``"eigenbasis"``:
             Adam run in the eigenbases of the factors (SOAP), ``Q_A (r / (sqrt(v_hat) +
             eps)) Q_G^T`` with ``r = Q_A^T g Q_G``, ``Q`` the eigenvectors of ``A`` and ``G``
@@ -166,8 +166,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                  statistics_decay=None, statistics_frequency=None, fisher="empirical",
                  kl_clip=None, trace_thresholds=None, seed=None, weight_sharing="mean",
                  graft=None, precondition_inputs=True, preconditioner="inverse", layers=None,
-                 name=None,
-                 jit_compile=None, **kwargs):
+                 name=None, jit_compile=None, **kwargs):
         options = ThorOptions(
             damping, momentum, loss_scale=loss_scale, batch_size=batch_size,
             use_nesterov=use_nesterov, decay_filter=decay_filter, split_indices=split_indices,

@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/loss_scale_step.py
 	$(BIN)/python benchmarks/adam_offload_step.py
 	$(BIN)/python benchmarks/thor_step.py
+	$(BIN)/python benchmarks/default_step.py
 	$(BIN)/python benchmarks/thor_inverse.py
 
 # The user guide as a site, with the API reference generated from the docstrings.

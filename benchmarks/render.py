@@ -213,6 +213,19 @@ def render_thor_step_split(results):
             + machine_line(r, files=["thor_step_resnet50_split.json"]))
 
 
+def render_default_step(results):
+    r = load("default_step.json", results)
+    rows = []
+    for m in r["models"].values():
+        ms, parts = m["ms_per_step"], m["parts_ms"]
+        rows.append([m["title"], f"{ms['adam']:.3g}", f"{ms['thor default']:.3g}",
+                     _x(m["ratio_vs_adam"]["thor default"]), f"{parts['rotation']:.3g}",
+                     f"{parts['statistics']:.3g}", f"{parts['eigenvectors']:.3g}"])
+    return (table(["model", "Adam ms/step", "default THOR ms/step", "THOR / Adam",
+                   "rotation ms", "statistics ms", "eigenvectors ms (per step)"], rows)
+            + machine_line(r, files=["default_step.json"]))
+
+
 def render_thor_inverse(results):
     files = ["thor_inverse.json", "thor_inverse_float64.json"]
     payloads = [load(f, results) for f in files]
@@ -506,6 +519,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
+    "default_step": (render_default_step, ["default_step.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "thor_inverse_cuda": (render_thor_inverse_cuda, CUDA_INVERSE_FILES),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),

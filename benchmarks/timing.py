@@ -67,22 +67,27 @@ def time_cases(steps, rounds, calls_per_round, warmup=3, idle=0.0):
     return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def machine():
+def machine(cpuinfo="/proc/cpuinfo"):
     """The machine a result comes from: CPU model (with its widest vector extension), core
     count, and the TensorFlow and Keras versions, as the results files name it."""
-    model, flags = platform.processor() or platform.machine(), set()
+    fields = {}
     try:
-        with open("/proc/cpuinfo") as f:
+        with open(cpuinfo) as f:
             for line in f:
                 key, _, value = line.partition(":")
-                if key.strip() == "model name":
-                    model = value.strip()
-                elif key.strip() == "flags":
-                    flags = set(value.split())
-                if model and flags:
-                    break
+                if not key.strip():
+                    break       # the first processor's fields end at its blank line
+                fields[key.strip()] = value.strip()
     except OSError:
         pass
+    model = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set(fields.get("flags", "").split())
+    # A virtual machine's model name may say only "AMD EPYC"; its family and flags tell
+    # the core: family 25 is Zen 3 or, with AVX-512, Zen 4; family 26 is Zen 5.
+    if fields.get("vendor_id") == "AuthenticAMD" and "Zen" not in model:
+        core = {"25": "Zen 4" if "avx512f" in flags else "Zen 3", "26": "Zen 5"}.get(
+            fields.get("cpu family"))
+        model = f"{model} ({core})" if core else model
     vector = next((name for flag, name in (("avx512f", "AVX-512"), ("avx2", "AVX2"))
                    if flag in flags), None)
     found = {"cpu": f"{model}, {vector}" if vector else model, "cpus": os.cpu_count()}

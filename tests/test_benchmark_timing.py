@@ -1,4 +1,5 @@
-"""The benchmarks' shared interleaved timing: every case timed, in balanced orders."""
+"""The benchmarks' shared interleaved timing (every case timed, in balanced orders) and the
+machine their results name."""
 import itertools
 
 import pytest
@@ -37,3 +38,22 @@ def test_idle_time_before_each_call_is_not_timed():
     medians = timing.time_cases(steps, rounds=2, calls_per_round=3, warmup=0, idle=0.02)
     assert sorted(calls) == list("aaaaaabbbbbb")
     assert all(seconds < 0.01 for seconds in medians.values())  # the 20 ms sleeps excluded
+
+
+@pytest.mark.parametrize("model, family, flags, cpu", [
+    ("AMD EPYC", 25, "fpu avx2 avx512f", "AMD EPYC (Zen 4), AVX-512"),
+    ("AMD EPYC", 25, "fpu avx2", "AMD EPYC (Zen 3), AVX2"),
+    ("AMD EPYC 9654 96-Core Processor", 26, "avx512f", "AMD EPYC 9654 96-Core Processor "
+                                                       "(Zen 5), AVX-512"),
+    ("AMD Ryzen 9 7950X (Zen 4)", 25, "avx512f", "AMD Ryzen 9 7950X (Zen 4), AVX-512"),
+    ("AMD EPYC 7742", 23, "avx2", "AMD EPYC 7742, AVX2"),
+    ("Intel(R) Xeon(R) Platinum 8480+", 25, "avx512f", "Intel(R) Xeon(R) Platinum 8480+, AVX-512"),
+])
+def test_machine_names_an_amd_core_its_model_name_leaves_out(tmp_path, model, family, flags,
+                                                             cpu):
+    vendor = "GenuineIntel" if model.startswith("Intel") else "AuthenticAMD"
+    first = f"vendor_id\t: {vendor}\ncpu family\t: {family}\nmodel name\t: {model}\n"
+    cpuinfo = tmp_path / "cpuinfo"
+    # The second processor's fields must not replace the first's.
+    cpuinfo.write_text(f"{first}flags\t\t: {flags}\n\nmodel name\t: other\nflags\t: sse\n")
+    assert timing.machine(str(cpuinfo))["cpu"] == cpu

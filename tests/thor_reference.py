@@ -50,6 +50,14 @@ def block_inverse(matrix, damping, block_size):
     return result
 
 
+def adam_step(moments, name, grad, step, beta2=0.999, epsilon=1e-7):
+    """Adam's step without its first moment at ``step`` (0 for the first), updating the
+    second moment ``moments[name]`` (zero before the first step)."""
+    moment = beta2 * moments.get(name, 0.0) + (1 - beta2) * grad ** 2
+    moments[name] = moment
+    return grad / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
+
+
 def eigenvectors(matrix):
     """The eigenvectors of a symmetric matrix (or of each of a stack), eigenvalues descending,
     zero where the eigenvalue is at most ``n * eps32 * max`` (float32's rounding level)."""
@@ -295,8 +303,7 @@ class ThorReference:
         self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
         self.graft, self.precondition_inputs = graft, precondition_inputs
         self.preconditioner = preconditioner
-        self.rotated_moments = {}
-        self.second_moments = {name: np.zeros_like(w) for name, w in network.weights().items()}
+        self.rotated_moments, self.second_moments = {}, {}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses, self.bases = {}, {}
         self.averages, self.counts = {}, {}
@@ -442,7 +449,7 @@ class ThorReference:
         return (block_eigenvectors(a, self.block_size) if inputs else None,
                 block_eigenvectors(g, self.block_size))
 
-    def eigenbasis_step(self, layer, grad, step, beta2=0.999, epsilon=1e-7):
+    def eigenbasis_step(self, layer, grad, step):
         """Adam's step (no first moment) on the gradient in the factors' eigenbases."""
         depthwise = layer.kind == "depthwise"
         pairs = self.bases[layer.name] if depthwise else [self.bases[layer.name]]
@@ -454,18 +461,15 @@ class ThorReference:
                     else self.kernel_precondition(matrix, factors[0]))
 
         rotated = rotate(grad, into=True)
-        moment = beta2 * self.rotated_moments.get(layer.name, 0.0) + (1 - beta2) * rotated ** 2
-        self.rotated_moments[layer.name] = moment
-        return rotate(rotated / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon),
-                      into=False)
+        return rotate(adam_step(self.rotated_moments, layer.name, rotated, step), into=False)
 
     @staticmethod
     def kernel_precondition(grad, factors):
-        """``L g R`` on the kernel as a matrix (``L`` None: left alone)."""
+        """``L g R`` on the kernel as a matrix (``L`` None: left alone; a vector: diagonal)."""
         left, right = factors
         matrix = grad.reshape(-1, len(right))
         if left is not None:
-            matrix = left @ matrix
+            matrix = left[:, None] * matrix if left.ndim == 1 else left @ matrix
         return (matrix @ right).reshape(grad.shape)
 
     def preconditioned(self, layer, key, grad, batch, root):
@@ -476,11 +480,8 @@ class ThorReference:
                                                self.precondition_inputs)
         if key in ("kernel", "embeddings"):
             a_inverse, g_inverse = self.inverses[layer.name]
-            matrix = grad.reshape(len(a_inverse), -1)
-            if self.precondition_inputs:
-                matrix = (a_inverse[:, None] * matrix if layer.kind == "embedding"
-                          else a_inverse @ matrix)
-            return (matrix @ g_inverse).reshape(grad.shape)
+            return self.kernel_precondition(
+                grad, (a_inverse if self.precondition_inputs else None, g_inverse))
         if layer.kind == "layer_norm":
             return grad / (grad * grad / batch + root)
         return grad
@@ -529,15 +530,13 @@ class ThorReference:
                 layer.params[key] = weight - lr * update
         self.iterations += 1
 
-    def graft_steps(self, grads, factored, step, beta2=0.999, epsilon=1e-7):
+    def graft_steps(self, grads, factored, step):
         """Adam's step length on every direction: factored kernels keep their direction,
         every other variable takes Adam's step."""
         for layer in self.network.layers:
             for key in layer.params:
-                name, grad = f"{layer.name}/{key}", layer.grads[key]
-                moment = beta2 * self.second_moments[name] + (1 - beta2) * grad ** 2
-                self.second_moments[name] = moment
-                adam = grad / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
+                adam = adam_step(self.second_moments, f"{layer.name}/{key}", layer.grads[key],
+                                 step)
                 if layer in factored and key in ("kernel", "embeddings"):
                     direction = grads[layer.name, key]
                     norm = np.linalg.norm(direction)

@@ -3,9 +3,10 @@
 ``tf_msopt.thor(model)`` with no hyper-parameters is the default, one configuration for
 every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronecker factors
 (SOAP's direction), each step grafted to Adam's length (a learning rate that means what it
-means to Adam), the factors' moving averages over steps and new eigenvectors every 10
-steps. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's
-THOR, with MindSpore's defaults for the rest.
+means to Adam) and scaled down by the KL clip where it would move the model too far, the
+factors' moving averages over steps and new eigenvectors every 10 steps. Given MindSpore's
+``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's THOR, with MindSpore's
+defaults for the rest.
 """
 from tf_msopt._validation import type_name
 from tf_msopt.thor.optimizer import THOR
@@ -18,7 +19,7 @@ _OWNER = "THOR"
 #: ``tf_msopt.thor(model, **{**DEFAULTS, "learning_rate": 0.01})``.
 DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
             "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
-            "statistics_decay": 0.95, "block_size": 1024}
+            "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
 
 

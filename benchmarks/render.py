@@ -242,7 +242,9 @@ def render_thor_inverse(results):
 
 
 CUDA_INVERSE_FILES = ["thor_inverse_cuda_64.json", "thor_inverse_cuda.json",
-                      "thor_inverse_cuda_nvrtc.json", "thor_inverse_cuda_200.json"]
+                      "thor_inverse_cuda_nvrtc.json", "thor_inverse_cuda_200.json",
+                      "thor_inverse_cuda_h100_64.json", "thor_inverse_cuda_h100_128.json",
+                      "thor_inverse_cuda_h100_nvrtc.json", "thor_inverse_cuda_h100_200.json"]
 CUDA_ROUTES = {"cupy_linalg_inv": "`cupy.linalg.inv`",
                "torch_cholesky_inverse": "torch `cholesky` + `cholesky_inverse`",
                "torch_linalg_inv": "`torch.linalg.inv`"}
@@ -254,7 +256,8 @@ def render_thor_inverse_cuda(results):
     for p in payloads:
         for blocks, b in p["batches"].items():
             ms = b["ms"]
-            rows.append([f"{p['size']}, {blocks}", p["kernel_build"], f"{ms['kernel']:.3f}"]
+            rows.append([p["gpu"], f"{p['size']}, {blocks}", p["kernel_build"],
+                         f"{ms['kernel']:.3f}"]
                         + [f"{ms[route]:.3f}" if route in ms else "" for route in CUDA_ROUTES]
                         + [_x(b["speedup_vs_best_library"])])
         for key, error in p["max_rel_error"].items():
@@ -267,7 +270,7 @@ def render_thor_inverse_cuda(results):
             gpus.append(gpu)
     names = ", ".join(f"`benchmarks/results/{f}`" for f in CUDA_INVERSE_FILES)
     worst = ", ".join(f"{dtype} {error:.1e}" for dtype, error in errors.items())
-    return (table(["block size, blocks", "kernel built by", "kernel ms"]
+    return (table(["GPU", "block size, blocks", "kernel built by", "kernel ms"]
                   + [f"{name} ms" for name in CUDA_ROUTES.values()]
                   + ["speed-up over the fastest library"], rows)
             + f"\nLargest error relative to the largest entry of `numpy.linalg.inv`: {worst}; "

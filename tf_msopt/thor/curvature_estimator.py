@@ -235,9 +235,7 @@ class CurvatureEstimator:
     def _invert(self, fresh, damping):
         """New inverses for ``fresh`` (``(layer, a, g, observed)``), where ``observed`` and
         the trace rule (if any) say so."""
-        # Eigenvectors do not depend on the damping: only the inverse or the trace rule reads it.
-        damped = (self.options.preconditioner == "inverse"
-                  or self.options.trace_thresholds is not None)
+        damped = self.options.damps_factors
         fresh = [(layer, a, g, observed,
                   self._layer_damping(layer.block, a, g, damping) if damped else None)
                  for layer, a, g, observed in fresh]

@@ -171,12 +171,16 @@ class ThorOptions:
         normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
 
     @property
+    def damps_factors(self):
+        """Whether the factors' damping is read: by the inverses, or by the trace rule's
+        damped trace (eigenvectors do not depend on it)."""
+        return self.preconditioner == "inverse" or self.trace_thresholds is not None
+
+    @property
     def uses_damping(self):
-        """Whether any step reads ``damping``: not in an eigenbasis (eigenvectors ignore it)
-        with every other variable on Adam's step (``graft``, no LayerNorm rule) and no trace
-        rule."""
-        return not (self.preconditioner == "eigenbasis" and self.graft is not None
-                    and self.trace_thresholds is None)
+        """Whether any step reads ``damping``: the factors' damping, or the LayerNorm rule
+        (which Adam's step replaces with ``graft``)."""
+        return self.damps_factors or self.graft is None
 
     def get_config(self):
         """The options as the optimizer's config writes them (``weight_decay`` is Keras')."""

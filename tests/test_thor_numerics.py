@@ -194,10 +194,19 @@ OPTION_CASES = {
     "eigenbasis_output_side_layer_norm": ("layer_norm", dict(
         preconditioner="eigenbasis", precondition_inputs=False, graft="adam",
         trace_thresholds=(0.25, 0.12))),
-    # The default configuration, KL clip included (the test's frequency and block size).
-    "default": ("dense", {name: value for name, value in mso.thor.DEFAULTS.items()
-                          if name not in ("learning_rate", "damping", "momentum", "frequency",
-                                          "block_size")}),
+    # Other exponents of the rotated second moment: one for every kernel, or by layer kind.
+    "eigenbasis_exponent_dense": ("dense", dict(preconditioner="eigenbasis", graft="adam",
+                                                eigenbasis_exponent=1.0)),
+    **{f"eigenbasis_exponent_{name}": (name, dict(
+        preconditioner="eigenbasis", graft="adam", eigenbasis_exponent={
+            "conv": 0.75, "einsum_dense": 0.6, "depthwise_conv": 0.9, "embedding": 1.0}))
+       for name in ("conv_same", "einsum_dense", "depthwise", "embedding")},
+    # The default configuration, KL clip included (the test's frequency and block size), on
+    # a dense and a convolutional model (its own exponent).
+    **{f"default_{name}": (name, {
+        option: value for option, value in mso.thor.DEFAULTS.items()
+        if option not in ("learning_rate", "damping", "momentum", "frequency", "block_size")})
+       for name in ("dense", "conv_same")},
     **{f"all_{name}": (name, ALL_OPTIONS)
        for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
 }
@@ -270,7 +279,7 @@ def test_options_match_numpy_reference(case):
         assert set(reference.counts.values()) == {3}
     if case == "kl_clip":
         assert min(reference.kl_factors) < 1.0 == max(reference.kl_factors)
-    if case == "default":     # the clip acts on its steps
+    if case.startswith("default"):     # the clip acts on its steps
         assert max(reference.kl_factors) < 1.0
     if eigenbasis:
         check_eigenbasis_state(optimizer, reference)

@@ -56,6 +56,11 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(weight_sharing="sum"), ValueError, "weight_sharing"),
     (dict(precondition_inputs="no"), TypeError, "precondition_inputs"),
     (dict(preconditioner="soap"), ValueError, "preconditioner"),
+    (dict(eigenbasis_exponent=0.0), ValueError, "eigenbasis_exponent"),
+    (dict(eigenbasis_exponent=1.5), ValueError, "eigenbasis_exponent"),
+    (dict(eigenbasis_exponent="0.75"), TypeError, "eigenbasis_exponent"),
+    (dict(eigenbasis_exponent={"conv": 2.0}), ValueError, r"eigenbasis_exponent\['conv'\]"),
+    (dict(eigenbasis_exponent={3: 0.75}), TypeError, "eigenbasis_exponent"),
 ])
 def test_bad_option_arguments_raise(kwargs, error, argument):
     with pytest.raises(error, match=argument):
@@ -76,8 +81,11 @@ def test_option_defaults_and_config_round_trip():
 
     optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=10, damping_mode="pi",
                          statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
-                         kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7)
+                         kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7,
+                         preconditioner="eigenbasis", eigenbasis_exponent={"conv": 0.75})
     config = optimizer.get_config()
+    assert config["eigenbasis_exponent"] == {"conv": 0.75}
+    assert [optimizer.options.exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
     assert {key: config[key] for key in ("damping_mode", "statistics_decay",
                                          "statistics_frequency", "fisher", "kl_clip",
                                          "trace_thresholds", "seed")} == dict(
@@ -464,8 +472,10 @@ EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequen
                      weight_sharing="expand")
 #: The default's levers (Adam grafting, relative damping) with the other options on.
 GRAFTED_ALL = dict(EMPIRICAL_ALL, graft="adam", damping_mode="relative")
-#: The same in the factors' eigenbases (the trace rule still decides the refreshes).
-EIGENBASIS_ALL = dict(GRAFTED_ALL, preconditioner="eigenbasis")
+#: The same in the factors' eigenbases (the trace rule still decides the refreshes), the
+#: convolution and the embedding with exponents other than Adam's.
+EIGENBASIS_ALL = dict(GRAFTED_ALL, preconditioner="eigenbasis",
+                      eigenbasis_exponent={"conv": 0.75, "embedding": 1.0})
 ALL = {"empirical": EMPIRICAL_ALL, "sampled": SAMPLED_ALL, "grafted": GRAFTED_ALL,
        "eigenbasis": EIGENBASIS_ALL}
 

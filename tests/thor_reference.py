@@ -50,12 +50,16 @@ def block_inverse(matrix, damping, block_size):
     return result
 
 
-def adam_step(moments, name, grad, step, beta2=0.999, epsilon=1e-7):
+def adam_step(moments, name, grad, step, beta2=0.999, epsilon=1e-7, exponent=0.5):
     """Adam's step without its first moment at ``step`` (0 for the first), updating the
-    second moment ``moments[name]`` (zero before the first step)."""
+    second moment ``moments[name]`` (zero before the first step); with an ``exponent`` other
+    than 1/2, ``grad / (v_hat + 1e-2 mean(v_hat))^exponent``."""
     moment = beta2 * moments.get(name, 0.0) + (1 - beta2) * grad ** 2
     moments[name] = moment
-    return grad / (np.sqrt(moment / (1 - beta2 ** (step + 1))) + epsilon)
+    estimate = moment / (1 - beta2 ** (step + 1))
+    if exponent != 0.5:
+        return grad / (estimate + 1e-2 * estimate.mean()) ** exponent
+    return grad / (np.sqrt(estimate) + epsilon)
 
 
 def eigenvectors(matrix):
@@ -87,7 +91,7 @@ _ACTIVATIONS = {
 
 
 class Dense:
-    kind = "dense"
+    kind = block_kind = "dense"
 
     def __init__(self, name, kernel, bias, activation="linear"):
         self.name, self.activation = name, activation
@@ -108,7 +112,7 @@ class Dense:
 class Conv2D:
     """A first layer (no input gradient), NHWC."""
 
-    kind = "conv"
+    kind = block_kind = "conv"
 
     def __init__(self, name, kernel, bias, strides, padding, activation="linear"):
         self.name, self.strides, self.padding, self.activation = name, strides, padding, activation
@@ -136,7 +140,7 @@ class EinsumDense:
     ``contracted`` input axes flattened against the kernel viewed as
     ``(contracted axes, output axes)``."""
 
-    kind = "dense"
+    kind, block_kind = "dense", "einsum_dense"
 
     def __init__(self, name, kernel, bias, contracted, activation="linear"):
         self.name, self.contracted, self.activation = name, contracted, activation
@@ -166,7 +170,7 @@ class DepthwiseConv2D:
     """A first layer, NHWC, 'valid' padding: channel c's ``multiplier`` outputs are its
     patches times ``kernel[:, :, c, :]``."""
 
-    kind = "depthwise"
+    kind, block_kind = "depthwise", "depthwise_conv"
 
     def __init__(self, name, kernel, bias, strides, activation="linear"):
         self.name, self.strides, self.activation = name, strides, activation
@@ -195,7 +199,7 @@ class DepthwiseConv2D:
 class Embedding:
     """A first layer: integer ids ``[N, T]`` -> ``[N, T, dim]``."""
 
-    kind = "embedding"
+    kind = block_kind = "embedding"
 
     def __init__(self, name, table):
         self.name = name
@@ -289,7 +293,7 @@ class ThorReference:
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
                  statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
-                 precondition_inputs=True, preconditioner="inverse"):
+                 precondition_inputs=True, preconditioner="inverse", eigenbasis_exponent=None):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
@@ -303,6 +307,7 @@ class ThorReference:
         self.kl_clip, self.trace_thresholds = kl_clip, trace_thresholds
         self.graft, self.precondition_inputs = graft, precondition_inputs
         self.preconditioner = preconditioner
+        self.eigenbasis_exponent = eigenbasis_exponent
         self.rotated_moments, self.second_moments = {}, {}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses, self.bases = {}, {}
@@ -449,6 +454,13 @@ class ThorReference:
         return (block_eigenvectors(a, self.block_size) if inputs else None,
                 block_eigenvectors(g, self.block_size))
 
+    def exponent_of(self, kind):
+        """The eigenbasis exponent of a layer of the library's block ``kind``."""
+        exponent = self.eigenbasis_exponent
+        if isinstance(exponent, dict):
+            return exponent.get(kind, 0.5)
+        return 0.5 if exponent is None else exponent
+
     def eigenbasis_step(self, layer, grad, step):
         """Adam's step (no first moment) on the gradient in the factors' eigenbases."""
         depthwise = layer.kind == "depthwise"
@@ -461,7 +473,8 @@ class ThorReference:
                     else self.kernel_precondition(matrix, factors[0]))
 
         rotated = rotate(grad, into=True)
-        return rotate(adam_step(self.rotated_moments, layer.name, rotated, step), into=False)
+        return rotate(adam_step(self.rotated_moments, layer.name, rotated, step,
+                                exponent=self.exponent_of(layer.block_kind)), into=False)
 
     @staticmethod
     def kernel_precondition(grad, factors):

@@ -16,9 +16,26 @@ from tf_msopt._common import tf_variable
 from tf_msopt.thor.block_diagonal import robust_eigenvectors, robust_inverses
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning
 from tf_msopt.thor.execution import TracedOnce, buckets, on_each_device, sum_over_replicas, when
-from tf_msopt.thor.grafting import adam_step
+from tf_msopt.thor.grafting import adam_step, second_moment
+from tf_msopt.thor.options import ADAM_EXPONENT
 
 __all__ = ["CurvatureEstimator", "LayerCurvature"]
+
+
+#: With an exponent other than Adam's, the rotated second moment is damped by this fraction of
+#: its mean: a direction the gradients have not reached takes no huge step.
+EIGENBASIS_DAMPING = 1e-2
+
+
+def rotated_step(moment, rotated, step, assign, exponent=ADAM_EXPONENT):
+    """The step on a gradient ``rotated`` into an eigenbasis: Adam's
+    ``r / (sqrt(v_hat) + eps)`` at exponent 1/2, else ``r / (v_hat + 1e-2 mean(v_hat))^e``
+    (exponent 1: EKFAC's natural gradient in that basis); ``v_hat`` as :func:`second_moment`."""
+    if exponent == ADAM_EXPONENT:
+        return adam_step(moment, rotated, step, assign)
+    estimate = second_moment(moment, rotated, step, assign)
+    return tf.math.divide_no_nan(rotated, tf.pow(
+        estimate + EIGENBASIS_DAMPING * tf.reduce_mean(estimate), exponent))
 
 
 def _identity_blocks(shape, dtype=None):
@@ -81,15 +98,16 @@ class LayerCurvature:
             gradient, Preconditioning(a_inverse=a_inverse if inputs else None,
                                       g_inverse=g_inverse), block_size)
 
-    def eigenbasis_step(self, gradient, block_size, step, assign):
-        """Adam's step (no first moment) on ``gradient`` rotated into the eigenbases of the
-        factors, ``Q_A^T g Q_G``, rotated back."""
+    def eigenbasis_step(self, gradient, block_size, step, assign, exponent=ADAM_EXPONENT):
+        """Adam's step (no first moment; see :func:`rotated_step` for ``exponent``) on
+        ``gradient`` rotated into the eigenbases of the factors, ``Q_A^T g Q_G``, rotated
+        back."""
         a = None if self.a_eigenvectors is None else tf.convert_to_tensor(self.a_eigenvectors)
         g = tf.convert_to_tensor(self.g_eigenvectors)
         rotated = self.block.precondition(gradient, Preconditioning(
             a_inverse=None if a is None else tf.linalg.matrix_transpose(a), g_inverse=g),
             block_size)
-        scaled = adam_step(self.rotated_second_moment, rotated, step, assign)
+        scaled = rotated_step(self.rotated_second_moment, rotated, step, assign, exponent)
         return self.block.precondition(scaled, Preconditioning(
             a_inverse=a, g_inverse=tf.linalg.matrix_transpose(g)), block_size)
 

@@ -2,9 +2,10 @@
 
 ``tf_msopt.thor(model)`` with no hyper-parameters is the default, one configuration for
 every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronecker factors
-(SOAP's direction), each step grafted to Adam's length (a learning rate that means what it
-means to Adam) and scaled down by the KL clip where it would move the model too far, the
-factors' moving averages over steps and new eigenvectors every 10 steps. Given MindSpore's
+(SOAP's direction; on convolutions the second moment's power is 0.75, not Adam's 1/2),
+each step grafted to Adam's length (a learning rate that means what it means to Adam) and
+scaled down by the KL clip where it would move the model too far, the factors' moving
+averages over steps and new eigenvectors every 10 steps. Given MindSpore's
 ``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's THOR, with MindSpore's
 defaults for the rest.
 """
@@ -19,7 +20,8 @@ _OWNER = "THOR"
 #: ``tf_msopt.thor(model, **{**DEFAULTS, "learning_rate": 0.01})``.
 DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
             "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
-            "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3}
+            "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
+            "eigenbasis_exponent": {"conv": 0.75}}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
 
 

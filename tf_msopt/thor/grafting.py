@@ -18,20 +18,25 @@ References:
 """
 import tensorflow as tf
 
-__all__ = ["AdamGraft", "adam_step"]
+__all__ = ["AdamGraft", "adam_step", "second_moment"]
 
 BETA2 = 0.999
 EPSILON = 1e-7     # Keras' Adam's
 
 
-def adam_step(moment, gradient, step, assign):
-    """Adam's step without its first moment, ``g / (sqrt(v / (1-beta2^t)) + eps)``, at ``step``
-    (0 for the first), updating the second moment ``v = beta2*v + (1-beta2)*g^2`` held in the
-    variable ``moment`` (any shape with ``gradient``'s size) with ``assign``."""
+def second_moment(moment, gradient, step, assign):
+    """Adam's bias-corrected second moment ``v / (1-beta2^t)`` of ``gradient`` at ``step`` (0
+    for the first), updating ``v = beta2*v + (1-beta2)*g^2`` held in the variable ``moment``
+    (any shape with ``gradient``'s size) with ``assign``."""
     value = BETA2 * tf.reshape(moment, tf.shape(gradient)) + (1.0 - BETA2) * tf.square(gradient)
     assign(moment, tf.reshape(value, moment.shape))
-    correction = 1.0 - tf.pow(BETA2, tf.cast(step, tf.float32) + 1.0)
-    return gradient / (tf.sqrt(value / correction) + EPSILON)
+    return value / (1.0 - tf.pow(BETA2, tf.cast(step, tf.float32) + 1.0))
+
+
+def adam_step(moment, gradient, step, assign):
+    """Adam's step without its first moment, ``g / (sqrt(v_hat) + eps)`` (see
+    :func:`second_moment`)."""
+    return gradient / (tf.sqrt(second_moment(moment, gradient, step, assign)) + EPSILON)
 
 
 class AdamGraft:

@@ -14,6 +14,8 @@ _GRAFTS = (None, "adam")
 _FISHERS = ("empirical", "sampled")
 _WEIGHT_SHARINGS = ("mean", "expand")
 _PRECONDITIONERS = ("inverse", "eigenbasis")
+#: The exponent of Adam's second moment in an eigenbasis where none is given (SOAP's).
+ADAM_EXPONENT = 0.5
 
 
 def _non_negative(value, arg, allow_int=True):
@@ -88,6 +90,25 @@ def _check_trace_thresholds(thresholds):
     return omega1, omega2
 
 
+def _check_exponent(exponent):
+    """None, a number in (0, 1], or a dict of layer kinds to such numbers."""
+    arg = "eigenbasis_exponent"
+    if exponent is None:
+        return None
+
+    def check(value, name):
+        return check_number_range(check_float(value, name, _OWNER), name, _OWNER, low=0.0,
+                                  high=1.0, low_inclusive=False)
+
+    if not isinstance(exponent, dict):
+        return check(exponent, arg)
+    for kind in exponent:
+        if not isinstance(kind, str):
+            raise TypeError(f"For '{_OWNER}', the keys of '{arg}' must be layer kinds (str, "
+                            f"e.g. 'conv'), but got {kind!r}.")
+    return {kind: check(value, f"{arg}[{kind!r}]") for kind, value in exponent.items()}
+
+
 def _check_seed(seed, fisher):
     if seed is None and fisher == "sampled":
         seed = random.SystemRandom().randrange(2**31)   # leaves Python's global state alone
@@ -134,6 +155,7 @@ class ThorOptions:
     graft: object = None
     precondition_inputs: bool = True
     preconditioner: str = "inverse"
+    eigenbasis_exponent: object = None
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -164,11 +186,20 @@ class ThorOptions:
         _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
         _check_choice(self.graft, "graft", _GRAFTS)
         _check_choice(self.preconditioner, "preconditioner", _PRECONDITIONERS)
+        normalise("eigenbasis_exponent",
+                  _check_exponent(self.eigenbasis_exponent))
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
         normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))
         normalise("seed", _check_seed(self.seed, self.fisher))
         normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
+
+    def exponent_of(self, kind):
+        """The exponent of the rotated second moment for a layer of block ``kind``."""
+        exponent = self.eigenbasis_exponent
+        if isinstance(exponent, dict):
+            return exponent.get(kind, ADAM_EXPONENT)
+        return ADAM_EXPONENT if exponent is None else exponent
 
     @property
     def damps_factors(self):

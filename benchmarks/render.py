@@ -34,7 +34,7 @@ TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # tuned grids: their files are optional until measured.
 NEW_TASKS = ("mnist_mlp", "charlm")
 ALL_TASKS = TASKS + NEW_TASKS
-BLOCKS = ("defaults", "robustness")
+BLOCKS = ("defaults", "robustness", "heldout")
 # The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
 # THOR_CONFIGS): the first THOR row of each task in the re-timed table.
 RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
@@ -494,6 +494,42 @@ def render_convergence_robustness(results):
             + _from_files(tasks, "robustness"))
 
 
+def render_convergence_heldout(results):
+    convergence, tasks = _tasks(results, ALL_TASKS, "heldout")
+    show = convergence._show
+    rows = []
+    for task, info in _measured(convergence, tasks, "heldout", 6, rows):
+        found = convergence.heldout(info)
+        runs = info["runs"]
+
+        def setting(entry, per_seed=True):
+            name, label = entry["optimizer"], entry.get("setting")
+            if label is None:
+                label = convergence.best_settings({name: runs[name]})[name][0]
+            epochs = runs[name][label]["epochs"]
+            text = f"{name} {label}: {show(median(epochs))}"
+            return f"{text} ({_epochs(epochs, show)})" if per_seed else text
+
+        chosen = found.get("chosen")
+        best = found.get("best_thor")
+        rows.append([
+            _title(convergence, task, info),
+            f"{show(found['default'])} "
+            f"({_epochs(runs[convergence.DEFAULT_THOR]['default']['epochs'], show)})",
+            f"{chosen['optimizer']} {chosen['setting']}: {show(chosen['tuned_epochs'])} there, "
+            f"{show(chosen['epochs'])} here" if chosen else "",
+            setting(best) if best else "",
+            _x(found["default"] / best["epochs"]) if best and math.isfinite(best["epochs"])
+            else "",
+            setting(found["best_first_order"], False) if "best_first_order" in found else ""])
+    seeds = {tuple(info["seeds"]) for info in tasks.values() if info}
+    here = ", ".join(str(s) for s in next(iter(seeds))) if len(seeds) == 1 else "held out"
+    return (table(["task, target", f"default THOR (seeds {here})",
+                   "THOR's best tuned setting (tuned seeds)", "best THOR tuned setting here",
+                   "default / it", "best first-order tuned setting here"], rows)
+            + _from_files(tasks, "heldout"))
+
+
 def _options(config):
     if not config:
         return "MindSpore's update (defaults)"
@@ -536,6 +572,8 @@ TABLES = {  # name: (renderer, the results files it reads)
                              [results_file(task, "defaults") for task in ALL_TASKS]),
     "convergence_robustness": (render_convergence_robustness,
                                [results_file(task, "robustness") for task in ALL_TASKS]),
+    "convergence_heldout": (render_convergence_heldout,
+                            [results_file(task, "heldout") for task in ALL_TASKS]),
 }
 OPTIONAL = sorted({results_file(task) for task in NEW_TASKS}
                   | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})

@@ -537,3 +537,50 @@ def test_charlm_trains_on_a_subset_and_is_judged_by_its_loss(tmp_path):
     run = info["runs"]["Adam"]["default"]
     assert info["batch_size"] == 32 and info["subset"] == 32
     assert run["epochs"] == [1] and 0 < run["val_loss"][0][0] < 9.0
+
+
+def test_heldout_compares_the_default_with_thors_best_tuned_settings_on_other_seeds():
+    def runs(*epochs):
+        return {"epochs": list(epochs), "seconds": [1.0] * len(epochs)}
+
+    info = {"seeds": [3, 4, 5], "tuned_seeds": [0, 1, 2],
+            "tuned_best": {"THOR-graft": {"setting": "a", "median_epochs": 3,
+                                          "median_seconds": 2.0},
+                           "THOR-expand": {"setting": "b", "median_epochs": 3,
+                                           "median_seconds": 5.0},
+                           "Adam": {"setting": "c", "median_epochs": 8, "median_seconds": 1.0}},
+            "runs": {convergence.DEFAULT_THOR: {"default": runs(4, 3, 4)},
+                     "THOR-graft": {"a": runs(4, 5, 3)},
+                     "THOR-expand": {"b": runs(3, 3, math.inf)},
+                     "Adam": {"c": runs(8, 9, 7)},
+                     "Muon": {"d": runs(9, math.inf, math.inf)}}}
+    assert convergence.heldout(info) == {
+        "default": 4,
+        # chosen on the tuned seeds: the fewest epochs there, then the least time
+        "chosen": {"optimizer": "THOR-graft", "setting": "a", "tuned_epochs": 3, "epochs": 4},
+        "best_thor": {"optimizer": "THOR-expand", "setting": "b", "epochs": 3},
+        "best_first_order": {"optimizer": "Adam", "epochs": 8}}
+
+
+def test_heldout_block_reruns_the_tuned_best_settings_on_other_seeds(
+        tiny_task, default_thor, monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(convergence.THOR_GRIDS["THOR-graft"], "tiny", ((0.01,), (0.1, 0.3)))
+    tuned_path, path = str(tmp_path / "tuned.json"), str(tmp_path / "heldout.json")
+    tuned = _run_main(tuned_path, "--optimizers", "Adam,THOR-graft")
+    graft_best = convergence.best_settings(tuned["runs"])["THOR-graft"][0]
+    convergence.main(["--task", "tiny", "--block", "heldout", "--tuned-from", tuned_path,
+                      "--seeds", "1,2,3", "--plot", "", "--out", path])
+    printed = capsys.readouterr().out
+    with open(path) as f:
+        held = json.load(f)["tasks"]["tiny"]
+    assert held["block"] == "heldout" and held["seeds"] == [1, 2, 3]
+    assert held["tuned_seeds"] == [0] and held["thor_frequency"] == tuned["thor_frequency"]
+    assert {name: list(settings) for name, settings in held["runs"].items()} == {
+        convergence.DEFAULT_THOR: ["default"], "Adam": ["lr=0.01"], "THOR-graft": [graft_best]}
+    assert all(r["epochs"] == [1, 1, 1] for s in held["runs"].values() for r in s.values())
+    assert f"THOR's best tuned setting on seeds [0], THOR-graft {graft_best}" in printed
+    line = json.loads(printed.strip().splitlines()[-1])["tasks"]["tiny"]["heldout"]
+    assert line["default"] == 1 and line["chosen"]["epochs"] == 1
+    with pytest.raises(ValueError, match="held-out seeds must be others"):
+        convergence.main(["--task", "tiny", "--block", "heldout", "--tuned-from", tuned_path,
+                          "--seeds", "0,1", "--plot", ""])

@@ -909,7 +909,8 @@ def heldout(info):
     first_order = [(best[name][1], name) for name in FIRST_ORDER if name in best]
     if first_order:
         epochs, name = min(first_order)
-        out["best_first_order"] = {"optimizer": name, "epochs": epochs}
+        out["best_first_order"] = {"optimizer": name, "setting": best[name][0],
+                                   "epochs": epochs}
     return out
 
 

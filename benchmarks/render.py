@@ -503,11 +503,8 @@ def render_convergence_heldout(results):
         runs = info["runs"]
 
         def setting(entry, per_seed=True):
-            name, label = entry["optimizer"], entry.get("setting")
-            if label is None:
-                label = convergence.best_settings({name: runs[name]})[name][0]
-            epochs = runs[name][label]["epochs"]
-            text = f"{name} {label}: {show(median(epochs))}"
+            text = f"{entry['optimizer']} {entry['setting']}: {show(entry['epochs'])}"
+            epochs = runs[entry["optimizer"]][entry["setting"]]["epochs"]
             return f"{text} ({_epochs(epochs, show)})" if per_seed else text
 
         chosen = found.get("chosen")

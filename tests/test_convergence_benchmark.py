@@ -559,7 +559,7 @@ def test_heldout_compares_the_default_with_thors_best_tuned_settings_on_other_se
         # chosen on the tuned seeds: the fewest epochs there, then the least time
         "chosen": {"optimizer": "THOR-graft", "setting": "a", "tuned_epochs": 3, "epochs": 4},
         "best_thor": {"optimizer": "THOR-expand", "setting": "b", "epochs": 3},
-        "best_first_order": {"optimizer": "Adam", "epochs": 8}}
+        "best_first_order": {"optimizer": "Adam", "setting": "c", "epochs": 8}}
 
 
 def test_heldout_block_reruns_the_tuned_best_settings_on_other_seeds(

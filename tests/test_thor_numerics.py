@@ -201,6 +201,11 @@ OPTION_CASES = {
         preconditioner="eigenbasis", graft="adam", eigenbasis_exponent={
             "conv": 0.75, "einsum_dense": 0.6, "depthwise_conv": 0.9, "embedding": 1.0}))
        for name in ("conv_same", "einsum_dense", "depthwise", "embedding")},
+    # The cautious mask on MindSpore's momentum (Nesterov, weight decay) and on the default's
+    # grafted steps in an eigenbasis.
+    "cautious": ("dense", dict(cautious=True, use_nesterov=True, weight_decay=0.01)),
+    "cautious_eigenbasis": ("einsum_dense", dict(
+        cautious=True, preconditioner="eigenbasis", graft="adam", kl_clip=1e-3)),
     # The default configuration, KL clip included (the test's frequency and block size), on
     # a dense and a convolutional model (its own exponent).
     **{f"default_{name}": (name, {
@@ -279,6 +284,8 @@ def test_options_match_numpy_reference(case):
         assert set(reference.counts.values()) == {3}
     if case == "kl_clip":
         assert min(reference.kl_factors) < 1.0 == max(reference.kl_factors)
+    if case.startswith("cautious"):    # the mask drops entries, and keeps all of some steps
+        assert min(reference.kept_fractions) < 1.0 == max(reference.kept_fractions)
     if case.startswith("default"):     # the clip acts on its steps
         assert max(reference.kl_factors) < 1.0
     if eigenbasis:

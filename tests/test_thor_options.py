@@ -56,6 +56,7 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(weight_sharing="sum"), ValueError, "weight_sharing"),
     (dict(precondition_inputs="no"), TypeError, "precondition_inputs"),
     (dict(preconditioner="soap"), ValueError, "preconditioner"),
+    (dict(cautious=1), TypeError, "cautious"),
     (dict(eigenbasis_exponent=0.0), ValueError, "eigenbasis_exponent"),
     (dict(eigenbasis_exponent=1.5), ValueError, "eigenbasis_exponent"),
     (dict(eigenbasis_exponent="0.75"), TypeError, "eigenbasis_exponent"),
@@ -82,9 +83,11 @@ def test_option_defaults_and_config_round_trip():
     optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=10, damping_mode="pi",
                          statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
                          kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7,
-                         preconditioner="eigenbasis", eigenbasis_exponent={"conv": 0.75})
+                         preconditioner="eigenbasis", eigenbasis_exponent={"conv": 0.75},
+                         cautious=True)
     config = optimizer.get_config()
-    assert config["eigenbasis_exponent"] == {"conv": 0.75}
+    assert config["eigenbasis_exponent"] == {"conv": 0.75} and config["cautious"] is True
+    assert plain.get_config()["cautious"] is False
     assert [optimizer.options.exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
     assert {key: config[key] for key in ("damping_mode", "statistics_decay",
                                          "statistics_frequency", "fisher", "kl_clip",
@@ -470,11 +473,13 @@ SAMPLED_ALL = dict(damping_mode="pi", statistics_decay=0.8, kl_clip=1e-3,
 EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequency=2,
                      frequency=4, kl_clip=1e-3, trace_thresholds=(0.3, 0.05),
                      weight_sharing="expand")
-#: The default's levers (Adam grafting, relative damping) with the other options on.
-GRAFTED_ALL = dict(EMPIRICAL_ALL, graft="adam", damping_mode="relative")
+#: The default's levers (Adam grafting, relative damping) with the other options on; with
+#: the inverses, the cautious mask too.
+GRAFTED = dict(EMPIRICAL_ALL, graft="adam", damping_mode="relative")
+GRAFTED_ALL = dict(GRAFTED, cautious=True)
 #: The same in the factors' eigenbases (the trace rule still decides the refreshes), the
 #: convolution and the embedding with exponents other than Adam's.
-EIGENBASIS_ALL = dict(GRAFTED_ALL, preconditioner="eigenbasis",
+EIGENBASIS_ALL = dict(GRAFTED, preconditioner="eigenbasis",
                       eigenbasis_exponent={"conv": 0.75, "embedding": 1.0})
 ALL = {"empirical": EMPIRICAL_ALL, "sampled": SAMPLED_ALL, "grafted": GRAFTED_ALL,
        "eigenbasis": EIGENBASIS_ALL}

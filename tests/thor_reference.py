@@ -286,14 +286,16 @@ class ThorReference:
 
     After each step: ``kl_factors`` lists every step's ``nu`` (with ``kl_clip``),
     ``traces[layer]`` the last damped trace, ``decisions[layer]`` the counts
-    (refreshed, reused, frozen) and ``deltas[layer]`` every relative change.
+    (refreshed, reused, frozen), ``deltas[layer]`` every relative change and
+    ``kept_fractions`` each variable's share of entries the ``cautious`` mask keeps.
     """
 
     def __init__(self, network, learning_rate, damping, momentum, weight_decay=0.0,
                  use_nesterov=False, enable_clip_grad=False, frequency=100, block_size=128,
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
                  statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
-                 precondition_inputs=True, preconditioner="inverse", eigenbasis_exponent=None):
+                 precondition_inputs=True, preconditioner="inverse", eigenbasis_exponent=None,
+                 cautious=False):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov
@@ -308,6 +310,7 @@ class ThorReference:
         self.graft, self.precondition_inputs = graft, precondition_inputs
         self.preconditioner = preconditioner
         self.eigenbasis_exponent = eigenbasis_exponent
+        self.cautious, self.kept_fractions = cautious, []
         self.rotated_moments, self.second_moments = {}, {}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses, self.bases = {}, {}
@@ -540,6 +543,10 @@ class ThorReference:
                 velocity = self.momentum * self.velocity[name] + grad
                 self.velocity[name] = velocity
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
+                if self.cautious:
+                    agree = (update * grad > 0).astype(np.float64)
+                    self.kept_fractions.append(agree.mean())
+                    update = update * agree / max(agree.mean(), 1e-3)
                 layer.params[key] = weight - lr * update
         self.iterations += 1
 

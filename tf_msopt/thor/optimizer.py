@@ -65,7 +65,9 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         g = g / (g*g/batch + sqrt(lambda))   # LayerNormalization gamma and beta
         g = g + weight_decay * w             # variables passing decay_filter
         g = g / max(|g|, 1)                  # with enable_clip_grad
-        v = momentum * v + g;  w = w - lr * v   (Nesterov: w = w - lr * (g + momentum * v))
+        v = momentum * v + g;  u = v         (Nesterov: u = g + momentum * v)
+        k = [u * g > 0];  u = u * k / max(mean(k), 1e-3)    # with cautious
+        w = w - lr * u
 
     ``x`` is a layer's input (patches for a convolution), ``delta`` the
     gradient of its pre-activation output times the global batch size and
@@ -151,12 +153,16 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             mean(v_hat))^e``, the mean over the layer's entries; 1 is EKFAC's natural
             gradient in the eigenbasis, and between them the step whitens more than Adam's
             and less than the Fisher's.
+        cautious: bool; each variable steps only along the entries where its momentum
+            step ``u`` and this step's direction ``g`` agree in sign, the kept entries scaled
+            up by the fraction kept (``mean(k)`` over the variable's entries), so that
+            momentum does not carry a weight against its current gradient.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
     With none of ``damping_mode``, ``statistics_decay``, ``fisher``, ``kl_clip``,
-    ``trace_thresholds``, ``weight_sharing``, ``graft``, ``precondition_inputs`` and
-    ``preconditioner`` changed, the update is MindSpore's exactly.
+    ``trace_thresholds``, ``weight_sharing``, ``graft``, ``precondition_inputs``,
+    ``preconditioner`` and ``cautious`` changed, the update is MindSpore's exactly.
 
     References:
         Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented
@@ -166,7 +172,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         Approximate Curvature for Modern Neural Network Architectures. NeurIPS 2023
         (K-FAC-expand). Vyas et al. SOAP: Improving and Stabilizing Shampoo using Adam.
         ICLR 2025. George et al. Fast Approximate Natural Gradient Descent in a
-        Kronecker-factored Eigenbasis. NeurIPS 2018 (EKFAC).
+        Kronecker-factored Eigenbasis. NeurIPS 2018 (EKFAC). Liang et al. Cautious
+        Optimizers: Improving Training with One Line of Code. arXiv:2411.16085, 2024.
     """
 
     def __init__(self, learning_rate, damping, momentum, weight_decay=0.0, loss_scale=1.0,
@@ -175,7 +182,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                  statistics_decay=None, statistics_frequency=None, fisher="empirical",
                  kl_clip=None, trace_thresholds=None, seed=None, weight_sharing="mean",
                  graft=None, precondition_inputs=True, preconditioner="inverse",
-                 eigenbasis_exponent=None, layers=None, name=None, jit_compile=None, **kwargs):
+                 eigenbasis_exponent=None, cautious=False, layers=None, name=None,
+                 jit_compile=None, **kwargs):
         options = ThorOptions(
             damping, momentum, loss_scale=loss_scale, batch_size=batch_size,
             use_nesterov=use_nesterov, decay_filter=decay_filter, split_indices=split_indices,
@@ -184,7 +192,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             statistics_frequency=statistics_frequency, fisher=fisher, kl_clip=kl_clip,
             trace_thresholds=trace_thresholds, seed=seed, weight_sharing=weight_sharing,
             graft=graft, precondition_inputs=precondition_inputs, preconditioner=preconditioner,
-            eigenbasis_exponent=eigenbasis_exponent, weight_decay=weight_decay)
+            eigenbasis_exponent=eigenbasis_exponent, cautious=cautious,
+            weight_decay=weight_decay)
         check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)
@@ -440,7 +449,8 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         return rule.precondition(gradient, state, self.block_size)
 
     def _apply(self, direction, variable, index, learning_rate):
-        """Weight decay, the optional norm clip and the momentum step."""
+        """Weight decay, the optional norm clip and the momentum step (masked with
+        ``cautious``)."""
         direction = tf.cast(direction, variable.dtype)
         if self._decay_flags[index]:
             direction += tf.cast(self.weight_decay, variable.dtype) * variable
@@ -449,10 +459,24 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if self._graft is not None:     # momentum averages the steps, as Adam's first moment
             direction *= tf.cast(1.0 - self.momentum, variable.dtype)
         momentum = self.momentums[index]
+        if self.cautious:
+            self._cautious_step(direction, variable, momentum, learning_rate)
+            return
         tf.raw_ops.ResourceApplyMomentum(
             var=tf_variable(variable).handle, accum=tf_variable(momentum).handle,
             lr=tf.cast(learning_rate, variable.dtype), grad=direction,
             momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
+
+    def _cautious_step(self, direction, variable, velocity, learning_rate):
+        """The momentum step along the entries where it agrees with ``direction``."""
+        momentum = tf.cast(self.momentum, variable.dtype)
+        averaged = momentum * velocity + direction
+        self.assign(velocity, averaged)
+        step = direction + momentum * averaged if self.use_nesterov else averaged
+        agree = tf.cast(step * direction > 0, variable.dtype)
+        # Rescaled by the fraction kept, so that masking shortens no step on average.
+        scale = tf.cast(learning_rate, variable.dtype) / tf.maximum(tf.reduce_mean(agree), 1e-3)
+        self.assign_sub(variable, scale * agree * step)
 
     # --- serialization
 

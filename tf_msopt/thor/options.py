@@ -156,6 +156,7 @@ class ThorOptions:
     precondition_inputs: bool = True
     preconditioner: str = "inverse"
     eigenbasis_exponent: object = None
+    cautious: bool = False
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -171,6 +172,7 @@ class ThorOptions:
                                                  _OWNER))
         normalise("precondition_inputs", check_bool(self.precondition_inputs,
                                                     "precondition_inputs", _OWNER))
+        normalise("cautious", check_bool(self.cautious, "cautious", _OWNER))
         normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
         normalise("split_indices", _check_split_indices(self.split_indices))
         if self.block_size is not None:

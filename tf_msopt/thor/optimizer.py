@@ -156,7 +156,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         cautious: bool; each variable steps only along the entries where its momentum
             step ``u`` and this step's direction ``g`` agree in sign, the kept entries scaled
             up by the fraction kept (``mean(k)`` over the variable's entries), so that
-            momentum does not carry a weight against its current gradient.
+            momentum does not carry a weight against its current direction.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
@@ -461,11 +461,11 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         momentum = self.momentums[index]
         if self.cautious:
             self._cautious_step(direction, variable, momentum, learning_rate)
-            return
-        tf.raw_ops.ResourceApplyMomentum(
-            var=tf_variable(variable).handle, accum=tf_variable(momentum).handle,
-            lr=tf.cast(learning_rate, variable.dtype), grad=direction,
-            momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
+        else:
+            tf.raw_ops.ResourceApplyMomentum(
+                var=tf_variable(variable).handle, accum=tf_variable(momentum).handle,
+                lr=tf.cast(learning_rate, variable.dtype), grad=direction,
+                momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
 
     def _cautious_step(self, direction, variable, velocity, learning_rate):
         """The momentum step along the entries where it agrees with ``direction``."""

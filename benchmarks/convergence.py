@@ -961,6 +961,12 @@ def _json_numbers(value):
     return _json_number(value) if isinstance(value, (int, float)) else value
 
 
+def _best_json(label, epochs, seconds):
+    """A best setting (:func:`best_settings`' entry) as the results' summaries write it."""
+    return {"setting": label, "median_epochs": _json_number(epochs),
+            "median_seconds": _json_number(seconds)}
+
+
 def _from_json(value):
     return math.inf if value is None else value
 
@@ -1101,10 +1107,8 @@ def report(tasks, plot=None):
             "block": block, "metric": metric, "robustness": points, "heldout": held,
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),
-            "best": {name: {"setting": label, "median_epochs": _json_number(epochs),
-                            "median_seconds": _json_number(seconds),
-                            "edge_of_grid": edges[name]}
-                     for name, (label, epochs, seconds) in best.items()},
+            "best": {name: {**_best_json(*entry), "edge_of_grid": edges[name]}
+                     for name, entry in best.items()},
             "ratios": {name: {k: round(v, 3) for k, v in r.items()} for name, r in found.items()},
             "best_accuracy_by_epoch": ({"epochs": within, **{
                 name: [round(v, 4) for v in values] for name, values in reach.items()}}
@@ -1259,10 +1263,8 @@ def tuned_block(task, path, seeds):
     if shared:
         raise ValueError(f"--seeds {shared} were tuned on in {path}: held-out seeds must be "
                          f"others")
-    best = {name: {"setting": label, "median_epochs": _json_number(epochs),
-                   "median_seconds": _json_number(seconds)}
-            for name, (label, epochs, seconds) in best_settings(info["runs"]).items()
-            if math.isfinite(epochs) and name != "kfac-jax"}
+    best = {name: _best_json(*entry) for name, entry in best_settings(info["runs"]).items()
+            if math.isfinite(entry[1]) and name != "kfac-jax"}
     return {"tuned_from": os.path.relpath(os.path.abspath(path), os.path.dirname(HERE)),
             "tuned_seeds": info["seeds"],
             "tuned_best": best, "max_epochs": info["max_epochs"],

@@ -1002,7 +1002,8 @@ def load_results(paths):
     """Merges files written by :func:`save_results`: ``{task: info}``; a later file replaces
     an earlier one's runs of the same optimizer and task: setting by setting in the tuned
     block (a widened grid adds settings), all of them in the defaults and robustness blocks
-    (whose points follow THOR's defaults, kept from the latest file that ran THOR)."""
+    (whose points follow THOR's defaults, kept from the latest file that ran the default
+    THOR)."""
     tasks = {}
     for path in paths:
         with open(path) as f:
@@ -1018,7 +1019,7 @@ def load_results(paths):
                                          f"{merged.get(key)} of an earlier file")
             if "retimed" in info:     # the latest file's re-timing
                 merged["retimed"] = _map_retimed(info["retimed"], _from_json)
-            if "THOR" in info["runs"] and "thor_defaults" in info:
+            if "thor_defaults" in info and {"THOR", DEFAULT_THOR} & set(info["runs"]):
                 merged["thor_defaults"] = info["thor_defaults"]
             metric = target_metric(task)
             for name, settings in info["runs"].items():

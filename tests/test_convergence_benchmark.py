@@ -525,6 +525,14 @@ def test_a_later_defaults_or_robustness_file_replaces_an_optimizers_points(tmp_p
     tuned = [write(f"{name}.json", "tuned", {"THOR": [label]}, None)
              for name, label in (("a", "lr=0.1"), ("b", "lr=0.2"))]
     assert list(convergence.load_results(tuned)["mlp"]["runs"]["THOR"]) == ["lr=0.1", "lr=0.2"]
+    # The heldout block's default THOR alone, run again under new defaults, brings them.
+    old = write("old_heldout.json", "heldout", {convergence.DEFAULT_THOR: ["default"],
+                                                "Adam": ["lr=0.01"]}, {"graft": "adam"})
+    new = write("new_heldout.json", "heldout", {convergence.DEFAULT_THOR: ["default"]},
+                {"graft": "adam", "cautious": "sequence"})
+    merged = convergence.load_results([old, new])["mlp"]
+    assert set(merged["runs"]) == {convergence.DEFAULT_THOR, "Adam"}
+    assert merged["thor_defaults"] == {"graft": "adam", "cautious": "sequence"}
 
 
 def test_charlm_trains_on_a_subset_and_is_judged_by_its_loss(tmp_path):

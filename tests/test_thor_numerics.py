@@ -202,16 +202,18 @@ OPTION_CASES = {
             "conv": 0.75, "einsum_dense": 0.6, "depthwise_conv": 0.9, "embedding": 1.0}))
        for name in ("conv_same", "einsum_dense", "depthwise", "embedding")},
     # The cautious mask on MindSpore's momentum (Nesterov, weight decay) and on the default's
-    # grafted steps in an eigenbasis.
+    # grafted steps in an eigenbasis; on every variable, and on the projections over
+    # positions only (the query and output kernels, not the head after Flatten).
     "cautious": ("dense", dict(cautious=True, use_nesterov=True, weight_decay=0.01)),
-    "cautious_eigenbasis": ("einsum_dense", dict(
-        cautious=True, preconditioner="eigenbasis", graft="adam", kl_clip=1e-3)),
+    **{f"cautious_{mode}_eigenbasis": ("einsum_dense", dict(
+        cautious=cautious, preconditioner="eigenbasis", graft="adam", kl_clip=1e-3))
+       for mode, cautious in (("all", True), ("sequence", "sequence"))},
     # The default configuration, KL clip included (the test's frequency and block size), on
-    # a dense and a convolutional model (its own exponent).
+    # a dense, a convolutional (its own exponent) and an attention model (the cautious mask).
     **{f"default_{name}": (name, {
         option: value for option, value in mso.thor.DEFAULTS.items()
         if option not in ("learning_rate", "damping", "momentum", "frequency", "block_size")})
-       for name in ("dense", "conv_same")},
+       for name in ("dense", "conv_same", "einsum_dense")},
     **{f"all_{name}": (name, ALL_OPTIONS)
        for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
 }
@@ -286,6 +288,8 @@ def test_options_match_numpy_reference(case):
         assert min(reference.kl_factors) < 1.0 == max(reference.kl_factors)
     if case.startswith("cautious"):    # the mask drops entries, and keeps all of some steps
         assert min(reference.kept_fractions) < 1.0 == max(reference.kept_fractions)
+    if case == "cautious_sequence_eigenbasis":    # the query and output kernels only
+        assert len(reference.kept_fractions) == 2 * STEPS
     if case.startswith("default"):     # the clip acts on its steps
         assert max(reference.kl_factors) < 1.0
     if eigenbasis:

@@ -17,6 +17,7 @@ import tensorflow as tf
 from test_thor_training import assert_weights_close, mixed_model
 
 import tf_msopt as mso
+from tf_msopt.thor.curvature_blocks import block_for
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 
@@ -57,6 +58,7 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(precondition_inputs="no"), TypeError, "precondition_inputs"),
     (dict(preconditioner="soap"), ValueError, "preconditioner"),
     (dict(cautious=1), TypeError, "cautious"),
+    (dict(cautious="attention"), ValueError, "cautious"),
     (dict(eigenbasis_exponent=0.0), ValueError, "eigenbasis_exponent"),
     (dict(eigenbasis_exponent=1.5), ValueError, "eigenbasis_exponent"),
     (dict(eigenbasis_exponent="0.75"), TypeError, "eigenbasis_exponent"),
@@ -88,6 +90,8 @@ def test_option_defaults_and_config_round_trip():
     config = optimizer.get_config()
     assert config["eigenbasis_exponent"] == {"conv": 0.75} and config["cautious"] is True
     assert plain.get_config()["cautious"] is False
+    sequence = mso.thor(model, cautious="sequence")
+    assert mso.THOR.from_config(sequence.get_config()).cautious == "sequence"
     assert [optimizer.options.exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
     assert {key: config[key] for key in ("damping_mode", "statistics_decay",
                                          "statistics_frequency", "fisher", "kl_clip",
@@ -464,6 +468,26 @@ def test_non_finite_statistics_or_outputs_are_not_recorded():
         keras.backend.clear_session(free_memory=False)
 
 
+@pytest.mark.parametrize("make_layer, input_shape, projects", [
+    (lambda: keras.layers.Dense(3), (None, 4), False),
+    (lambda: keras.layers.Dense(3), (None, 5, 4), True),
+    (lambda: keras.layers.EinsumDense("ab,bc->ac", (3,)), (None, 4), False),
+    (lambda: keras.layers.EinsumDense("abc,bcd->ad", (3,)), (None, 5, 4), False),  # sums them
+    (lambda: keras.layers.EinsumDense("abc,cd->abd", (5, 3)), (None, 5, 4), True),
+    (lambda: keras.layers.EinsumDense("abcd,cde->abe", (5, 3)), (None, 5, 2, 4), True),
+    (lambda: keras.layers.EinsumDense("...b,bc->...c", (3,)), (None, 5, 4), True),
+    (lambda: keras.layers.Conv1D(3, 2), (None, 5, 4), False),     # slides, is not masked
+], ids=["dense", "dense_sequence", "einsum", "einsum_over_positions", "einsum_sequence",
+        "attention_output", "einsum_ellipsis", "conv1d"])
+def test_projections_over_positions(make_layer, input_shape, projects):
+    """The kernels ``cautious="sequence"`` masks: a Dense or EinsumDense applied at each
+    position of an example, read off the input the layer was built for."""
+    layer = make_layer()
+    layer.build(input_shape)
+    block, _ = block_for(layer)
+    assert block.projects_positions(layer) is projects
+
+
 # -- MirroredStrategy, save/resume, loss scaling with the options on ---------------------------
 
 #: Every option on; the empirical variant sparser statistics (steps 0, 2, 4; inverses at 0, 4).
@@ -478,9 +502,10 @@ EMPIRICAL_ALL = dict(damping_mode="pi", statistics_decay=0.8, statistics_frequen
 GRAFTED = dict(EMPIRICAL_ALL, graft="adam", damping_mode="relative")
 GRAFTED_ALL = dict(GRAFTED, cautious=True)
 #: The same in the factors' eigenbases (the trace rule still decides the refreshes), the
-#: convolution and the embedding with exponents other than Adam's.
+#: convolution and the embedding with exponents other than Adam's, and the default's cautious
+#: mask on the projections over positions (the token Dense of :func:`options_model`).
 EIGENBASIS_ALL = dict(GRAFTED, preconditioner="eigenbasis",
-                      eigenbasis_exponent={"conv": 0.75, "embedding": 1.0})
+                      eigenbasis_exponent={"conv": 0.75, "embedding": 1.0}, cautious="sequence")
 ALL = {"empirical": EMPIRICAL_ALL, "sampled": SAMPLED_ALL, "grafted": GRAFTED_ALL,
        "eigenbasis": EIGENBASIS_ALL}
 
@@ -492,10 +517,15 @@ def classification_data(n, seed=0):
             rng.integers(0, 2, size=n).astype("int32"))
 
 
+def options_model(options):
+    """mixed_model without attention (Conv2D, Embedding, LayerNorm, Dense) with two logits;
+    with a Dense on each token where ``options`` mask the projections over positions."""
+    return mixed_model(attention=False, token_projection=options.get("cautious") == "sequence")
+
+
 def make_mixed(options, wrap=None):
-    """mixed_model without attention (Conv2D, Embedding, LayerNorm, Dense) with two logits,
-    compiled with THOR(``options``), optionally wrapped."""
-    model = mixed_model(attention=False)
+    """:func:`options_model` compiled with THOR(``options``), optionally wrapped."""
+    model = options_model(options)
     options = dict(dict(frequency=2), **options)
     optimizer = mso.thor(model, 0.05, 0.05, 0.9, block_size=4, weight_decay=1e-3, **options)
     model.compile(optimizer=optimizer if wrap is None else wrap(optimizer),
@@ -609,7 +639,7 @@ def test_xla_update_equals_plain(options):
     sampled Fisher too, since its labels are the same under XLA."""
     def run(jit_compile=False, xla_step=False):
         keras.utils.set_random_seed(0)
-        model = mixed_model(attention=False)
+        model = options_model(options)
         optimizer = mso.thor(model, 0.05, 0.05, 0.9, block_size=4, weight_decay=1e-3,
                              jit_compile=jit_compile, **options)
         model.compile(optimizer=optimizer, jit_compile=xla_step,

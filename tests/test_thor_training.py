@@ -54,9 +54,10 @@ def test_fit_on_digits_beats_sgd_momentum(build, damping, image):
     assert thor < 0.8 * sgd, (thor, sgd)
 
 
-def mixed_model(attention=True):
-    """Conv2D, Embedding, MultiHeadAttention (unless ``attention`` is False), LayerNorm and
-    Dense in one small functional model."""
+def mixed_model(attention=True, token_projection=False):
+    """Conv2D, Embedding, MultiHeadAttention (unless ``attention`` is False), a Dense on
+    each token (with ``token_projection``), LayerNorm and Dense in one small functional
+    model."""
     keras.utils.set_random_seed(0)
     image = keras.Input((6, 6, 1))
     ids = keras.Input((3,), dtype="int32")
@@ -66,6 +67,8 @@ def mixed_model(attention=True):
     if attention:
         tokens = keras.layers.MultiHeadAttention(2, 2, use_bias=False,
                                                  name="attention")(tokens, tokens)
+    if token_projection:
+        tokens = keras.layers.Dense(2, activation="tanh", name="tokens")(tokens)
     b = keras.layers.Flatten()(tokens)
     h = keras.layers.Concatenate()([keras.layers.Flatten()(a), b])
     h = keras.layers.LayerNormalization(name="ln")(h)

@@ -109,6 +109,12 @@ class Dense:
         return dz @ self.params["kernel"].T
 
 
+def projects_positions(layer):
+    """Whether ``layer`` applies its kernel at each of several positions of an example:
+    a Dense-type kernel whose (flattened) input keeps axes besides the batch."""
+    return layer.kind == "dense" and layer.x.ndim > 2
+
+
 class Conv2D:
     """A first layer (no input gradient), NHWC."""
 
@@ -543,7 +549,8 @@ class ThorReference:
                 velocity = self.momentum * self.velocity[name] + grad
                 self.velocity[name] = velocity
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
-                if self.cautious:
+                if self.cautious is True or (self.cautious == "sequence" and key == "kernel"
+                                             and projects_positions(layer)):
                     agree = (update * grad > 0).astype(np.float64)
                     self.kept_fractions.append(agree.mean())
                     update = update * agree / max(agree.mean(), 1e-3)

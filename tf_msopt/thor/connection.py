@@ -91,6 +91,12 @@ class ModelConnection:
                     rules[index] = rule
         return rules
 
+    def position_projections(self, blocks):
+        """The names of the layers that apply their kernel at each position of a sequence
+        (:meth:`~tf_msopt.thor.curvature_base.CurvatureBlock.projects_positions`)."""
+        return {block.layer for block, layer in zip(blocks, self.layers)
+                if block.projects_positions(layer)}
+
     def output_distribution(self):
         """The output distribution of the sampled Fisher: ``fisher_distribution``, or the
         one the model's compiled loss implies."""

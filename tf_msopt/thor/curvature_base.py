@@ -108,6 +108,12 @@ class CurvatureBlock:
     def describe(self, block_size):
         return self.rule
 
+    def projects_positions(self, layer):
+        """Whether the layer applies its kernel as a projection at each of several positions
+        of an example (a Dense or EinsumDense layer over a sequence, as in a transformer);
+        ``cautious="sequence"`` masks these kernels' steps."""
+        return False
+
     # --- capture
 
     def capture(self, layer, call, observe, inputs, *args, **kwargs):

@@ -30,6 +30,12 @@ def _kernel_block(cls, layer, kernel):
     return cls(layer.name, (kernel.name,), math.prod(shape[:-1]), shape[-1])
 
 
+def _built_rank(layer):
+    """The rank of the input ``layer`` was built for (0 if unknown)."""
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    return 0 if shape is None else len(shape)
+
+
 @register
 @dataclasses.dataclass(frozen=True)
 class DenseBlock(KroneckerBlock):
@@ -42,6 +48,9 @@ class DenseBlock(KroneckerBlock):
     @classmethod
     def from_layer(cls, layer):
         return _kernel_block(cls, layer, layer.kernel)
+
+    def projects_positions(self, layer):
+        return _built_rank(layer) > 2
 
 
 def _expand_ellipsis(spec, rank, letters):
@@ -100,6 +109,10 @@ class EinsumDenseBlock(KroneckerBlock):
                    math.prod(shape[i] for i in order[:len(contracted)]),
                    math.prod(shape[i] for i in order[len(contracted):]),
                    () if order == tuple(range(len(order))) else order)
+
+    def projects_positions(self, layer):
+        (contracted, _), _ = self._axes(layer.equation)
+        return _built_rank(layer) - len(contracted) > 1
 
     def _rows_of(self, layer, tensor, spec, kernel_letters, width):
         """``tensor`` (laid out as ``spec``) as ``[rows, width]``: the axes the kernel does

@@ -5,7 +5,9 @@ every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronec
 (SOAP's direction; on convolutions the second moment's power is 0.75, not Adam's 1/2),
 each step grafted to Adam's length (a learning rate that means what it means to Adam) and
 scaled down by the KL clip where it would move the model too far, the factors' moving
-averages over steps and new eigenvectors every 10 steps. Given MindSpore's
+averages over steps, new eigenvectors every 10 steps and, on the Dense and EinsumDense
+kernels applied at each position of a sequence, the cautious mask (a momentum step only
+where it agrees in sign with the current direction). Given MindSpore's
 ``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's THOR, with MindSpore's
 defaults for the rest.
 """
@@ -21,7 +23,7 @@ _OWNER = "THOR"
 DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
             "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
             "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
-            "eigenbasis_exponent": {"conv": 0.75}}
+            "eigenbasis_exponent": {"conv": 0.75}, "cautious": "sequence"}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
 
 

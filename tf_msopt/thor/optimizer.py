@@ -153,10 +153,13 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             mean(v_hat))^e``, the mean over the layer's entries; 1 is EKFAC's natural
             gradient in the eigenbasis, and between them the step whitens more than Adam's
             and less than the Fisher's.
-        cautious: bool; each variable steps only along the entries where its momentum
+        cautious: ``True``: each variable steps only along the entries where its momentum
             step ``u`` and this step's direction ``g`` agree in sign, the kept entries scaled
             up by the fraction kept (``mean(k)`` over the variable's entries), so that
             momentum does not carry a weight against its current direction.
+            ``"sequence"``: only the kernels of Dense and EinsumDense layers applied at each
+            position of a sequence (a transformer's projections and MLPs) are masked.
+            ``False``: none.
         jit_compile: run each variable's update as one XLA function.
         name, **kwargs: the usual ``keras.optimizers.Optimizer`` arguments.
 
@@ -203,7 +206,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         self._blocks = None if layers is None else tuple(map(_block_from_config, layers))
         self._connection = None
         self._estimator = None
-        self._rules = None
+        self._rules = self._masked = None
         self._watch_loss_scale_wrapper()
 
     def __getattr__(self, name):
@@ -356,6 +359,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             self._rules = self._connection.variable_rules(
                 self._blocks, self._estimator.layers, len(compat.trainable_variables(self)),
                 lambda variable: compat.tracked_index(self, variable))
+            self._masked = self._cautious_variables()
         # This replica's statistics, read in replica context; summed by the estimator.
         local = [(tf.convert_to_tensor(s.a), tf.convert_to_tensor(s.g),
                   tf.convert_to_tensor(s.rows)) for s in self._connection.statistics]
@@ -448,6 +452,14 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                                 damping=self._damping())
         return rule.precondition(gradient, state, self.block_size)
 
+    def _cautious_variables(self):
+        """Per variable index, whether ``cautious`` masks its steps."""
+        if self.cautious != "sequence":
+            return [self.cautious] * len(self._rules)
+        projections = self._connection.position_projections(self._blocks)
+        return [isinstance(rule, LayerCurvature) and rule.block.layer in projections
+                for rule in self._rules]
+
     def _apply(self, direction, variable, index, learning_rate):
         """Weight decay, the optional norm clip and the momentum step (masked with
         ``cautious``)."""
@@ -459,7 +471,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if self._graft is not None:     # momentum averages the steps, as Adam's first moment
             direction *= tf.cast(1.0 - self.momentum, variable.dtype)
         momentum = self.momentums[index]
-        if self.cautious:
+        if self._masked[index]:
             self._cautious_step(direction, variable, momentum, learning_rate)
         else:
             tf.raw_ops.ResourceApplyMomentum(

@@ -2,7 +2,8 @@
 import dataclasses
 import random
 
-from tf_msopt._validation import check_bool, check_float, check_int, check_number_range
+from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
+                                  type_name)
 from tf_msopt.optimizers.base import check_filter, resolve_learning_rate, serialize_filter
 from tf_msopt.schedules import serialize_step_value
 
@@ -14,6 +15,7 @@ _GRAFTS = (None, "adam")
 _FISHERS = ("empirical", "sampled")
 _WEIGHT_SHARINGS = ("mean", "expand")
 _PRECONDITIONERS = ("inverse", "eigenbasis")
+_CAUTIOUS = (False, True, "sequence")
 #: The exponent of Adam's second moment in an eigenbasis where none is given (SOAP's).
 ADAM_EXPONENT = 0.5
 
@@ -33,6 +35,13 @@ def _check_choice(value, arg, choices):
         raise ValueError(f"For '{_OWNER}', the '{arg}' must be one of {list(choices)}, "
                          f"but got {value!r}.")
     return value
+
+
+def _check_cautious(cautious):
+    if not isinstance(cautious, (bool, str)):
+        raise TypeError(f"For '{_OWNER}', the 'cautious' must be a bool or 'sequence', but got "
+                        f"type '{type_name(cautious)}'.")
+    return _check_choice(cautious, "cautious", _CAUTIOUS)
 
 
 def _check_split_indices(split_indices):
@@ -156,7 +165,7 @@ class ThorOptions:
     precondition_inputs: bool = True
     preconditioner: str = "inverse"
     eigenbasis_exponent: object = None
-    cautious: bool = False
+    cautious: object = False
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -172,7 +181,7 @@ class ThorOptions:
                                                  _OWNER))
         normalise("precondition_inputs", check_bool(self.precondition_inputs,
                                                     "precondition_inputs", _OWNER))
-        normalise("cautious", check_bool(self.cautious, "cautious", _OWNER))
+        _check_cautious(self.cautious)
         normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
         normalise("split_indices", _check_split_indices(self.split_indices))
         if self.block_size is not None:

@@ -35,11 +35,17 @@ demo: $(STAMP)
 # tests marked `ops_path` (code whose path differs without the custom ops and that does
 # not switch the path itself: the contract cases of the sign optimizers, LARS(SGD),
 # AdamOffload and THOR, and the sign modules; see tests/conftest.py); tests marked `once` (the
-# install, the docs build) never run there. pytest exits 5 when it collected no test; any
-# non-zero exit fails `make test`.
+# install, the docs build) never run there. Then the tests marked `cpu_arithmetic` (float32
+# results whose last bits depend on the CPU's instruction set) run as a CPU without AVX-512
+# computes them: oneDNN capped at AVX2, then oneDNN's kernels off as well (TensorFlow's Eigen
+# kernels, which sum in another order again); see docs/architecture.md. pytest exits 5 when
+# it collected no test; any non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not once"
+	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
+	ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \
+		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/roofline.py

@@ -25,11 +25,21 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 #: resume, mirrored, XLA) runs in both passes, so its other modules run once.
 _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})
 
+#: Tests whose float32 results depend on the CPU's instruction set: the NumPy-reference and
+#: golden-value checks, the files written on another machine, the contract's equivalences
+#: and the short trainings against a level. ``make test`` runs them again with oneDNN capped
+#: at AVX2 and with oneDNN off, as a machine without AVX-512 computes them.
+_CPU_ARITHMETIC_PATHS = ("contract/", "test_thor_numerics.py", "test_thor_legacy_files.py",
+                         "test_thor_training.py")
+
 
 def pytest_collection_modifyitems(config, items):
+    tests = os.path.dirname(os.path.abspath(__file__))
     for item in items:
         if item.module.__name__ in _OPS_PATH_MODULES:
             item.add_marker(pytest.mark.ops_path)
+        if os.path.relpath(str(item.path), tests).startswith(_CPU_ARITHMETIC_PATHS):
+            item.add_marker(pytest.mark.cpu_arithmetic)
 
 
 @pytest.fixture

@@ -137,11 +137,11 @@ def test_matches_numpy_reference(name, options):
     assert int(optimizer.failed_inverses.numpy()) == 0
 
 
-def train_against_reference(name, options, check=None, atol=1e-6):
+def train_against_reference(name, options, check=None):
     """Trains model ``name`` with THOR(``options``) and its NumPy reference side by side on
-    the same batches; the weights must agree after every step (``rtol`` 1e-5, ``atol``).
-    ``check(step, optimizer, reference)`` runs after each step. Returns
-    ``(optimizer, reference)``."""
+    the same batches; the weights must agree after every step (``rtol`` 1e-5, ``atol`` 1e-6,
+    and in an eigenbasis see below). ``check(step, optimizer, reference)`` runs after each
+    step. Returns ``(optimizer, reference)``."""
     build, make_inputs, outputs = MODELS[name]
     model = build()
     network = reference_network(model)
@@ -153,11 +153,22 @@ def train_against_reference(name, options, check=None, atol=1e-6):
     reference = ref.ThorReference(
         network, LEARNING_RATES.__getitem__, DAMPINGS.__getitem__, 0.9,
         decay=lambda path: "bias" not in path, **options)
+    # In an eigenbasis Adam divides each rotated entry by its own size, so the step is as
+    # sensitive to the basis as its smallest entries are small, and a float32 basis differs
+    # from float64's by the factors' rounding over the eigenvalues' gaps (up to the 1e-4 that
+    # check_eigenbasis_state allows). The reference takes each step in the optimizer's basis
+    # as well: the distance, carried through the steps (``basis_deviations``), is the step's
+    # condition times the basis's actual error, up to 2.3e-5 here. Twice it covers what that
+    # first-order account leaves out (the basis in the rotated moments and in later
+    # gradients), which reached 1.35 times it on AVX-512, AMX and AVX2, oneDNN on and off.
+    if options.get("preconditioner") == "eigenbasis":
+        reference.compared_bases = optimizer_bases(optimizer, reference)
     for step, (x, y) in enumerate(batches(make_inputs, outputs)):
         model.train_on_batch(x, y)
         reference.step(x.astype(np.int64) if x.dtype.kind == "i" else x.astype(np.float64), y)
         got, want = keras_weights(model), network.weights()
         for key in want:
+            atol = 1e-6 + 2.0 * reference.basis_deviations.get(key, 0.0)
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=atol,
                                        err_msg=f"{key} after step {step}")
         if check is not None:
@@ -253,6 +264,38 @@ def check_option_state(step, optimizer, reference):
                                        rtol=1e-5)
 
 
+def block_diagonal(blocks, dim):
+    """Stacked diagonal blocks (``[count, size, size]``, zero padded) as one ``dim`` x ``dim``
+    block-diagonal matrix: the inverse of :func:`statistics_blocks`."""
+    count, size, _ = blocks.shape
+    full = np.zeros((count * size,) * 2)
+    for i in range(count):
+        full[i * size:(i + 1) * size, i * size:(i + 1) * size] = blocks[i]
+    return full[:dim, :dim]
+
+
+def optimizer_bases(optimizer, reference):
+    """A function of a reference layer giving the optimizer's current eigenvectors of it in
+    the layout of ``reference.bases`` (called when the reference has just refreshed them)."""
+    layers = reference.factored_layers()
+
+    def has_input_basis(layer):
+        bases = reference.bases[layer.name]
+        return (bases[0][0] if layer.kind == "depthwise" else bases[0]) is not None
+
+    def bases(layer):
+        index = layers.index(layer)
+        g = optimizer.g_eigenvectors[index].numpy()
+        a = (optimizer.a_eigenvectors[sum(map(has_input_basis, layers[:index]))].numpy()
+             if has_input_basis(layer) else None)
+        if layer.kind == "depthwise":                   # per channel
+            return list(zip([None] * len(g) if a is None else a, g))
+        want_a, want_g = reference.bases[layer.name]
+        return (None if a is None else block_diagonal(a, len(want_a)),
+                block_diagonal(g, len(want_g)))
+    return bases
+
+
 def check_eigenbasis_state(optimizer, reference):
     """Eigenvectors in place of inverses, as the reference's up to each vector's sign: each
     column's dot product with the reference's is +-1 (0 for a dropped or padded one)."""
@@ -276,11 +319,8 @@ def check_eigenbasis_state(optimizer, reference):
 
 @pytest.mark.parametrize("case", OPTION_CASES.keys())
 def test_options_match_numpy_reference(case):
-    # In an eigenbasis Adam divides each rotated entry by its own size, so float32's rounding
-    # of the small ones reaches the weights at 1e-6 of the steps' 0.05.
     eigenbasis = OPTION_CASES[case][1].get("preconditioner") == "eigenbasis"
-    optimizer, reference = train_against_reference(
-        *OPTION_CASES[case], check=check_option_state, atol=1e-5 if eigenbasis else 1e-6)
+    optimizer, reference = train_against_reference(*OPTION_CASES[case], check=check_option_state)
     assert int(optimizer.failed_inverses.numpy()) == 0
     if case == "sparse_statistics":
         assert set(reference.counts.values()) == {3}

@@ -294,6 +294,12 @@ class ThorReference:
     ``traces[layer]`` the last damped trace, ``decisions[layer]`` the counts
     (refreshed, reused, frozen), ``deltas[layer]`` every relative change and
     ``kept_fractions`` each variable's share of entries the ``cautious`` mask keeps.
+
+    In an eigenbasis, with ``compared_bases`` set to a function of a layer giving other
+    eigenvectors of its factors (float32's, say), ``basis_deviations["layer/param"]`` bounds,
+    to first order, how far the weights have moved from the reference's because every step
+    took those bases: each step's move (see :meth:`eigenbasis_step`) carried through the
+    step's linear parts (the graft's and the KL clip's scaling, momentum, the learning rate).
     """
 
     def __init__(self, network, learning_rate, damping, momentum, weight_decay=0.0,
@@ -320,6 +326,9 @@ class ThorReference:
         self.rotated_moments, self.second_moments = {}, {}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
         self.inverses, self.bases = {}, {}
+        self.compared_bases, self.other_bases = None, {}
+        self.basis_effects, self.basis_deviations = {}, {}
+        self.velocity_moves = dict.fromkeys(self.velocity, 0.0)
         self.averages, self.counts = {}, {}
         self.traces, self.decisions, self.deltas, self.frozen = {}, {}, {}, set()
         self.kl_factors = []
@@ -450,6 +459,8 @@ class ThorReference:
                 continue
             if self.preconditioner == "eigenbasis":
                 self.bases[layer.name] = self.eigenvectors_of(layer, a, g)
+                if self.compared_bases is not None:
+                    self.other_bases[layer.name] = self.compared_bases(layer)
             else:
                 self.inverses[layer.name] = self.inverses_of(layer, a, g, a_damping, g_damping)
 
@@ -471,9 +482,21 @@ class ThorReference:
         return 0.5 if exponent is None else exponent
 
     def eigenbasis_step(self, layer, grad, step):
-        """Adam's step (no first moment) on the gradient in the factors' eigenbases."""
+        """Adam's step (no first moment) on the gradient in the factors' eigenbases. With
+        ``compared_bases`` (a function of the layer giving other eigenvectors, in the layout
+        of ``bases``), records in ``basis_effects`` how far the step moves in those bases."""
+        exponent = self.exponent_of(layer.block_kind)
+        moments = dict(self.rotated_moments)
+        step_in_bases = self.rotated_adam_step(layer, self.bases[layer.name], grad,
+                                               self.rotated_moments, step, exponent)
+        if layer.name in self.other_bases:
+            self.basis_effects[layer.name] = np.linalg.norm(step_in_bases - self.rotated_adam_step(
+                layer, self.other_bases[layer.name], grad, moments, step, exponent))
+        return step_in_bases
+
+    def rotated_adam_step(self, layer, bases, grad, moments, step, exponent):
         depthwise = layer.kind == "depthwise"
-        pairs = self.bases[layer.name] if depthwise else [self.bases[layer.name]]
+        pairs = bases if depthwise else [bases]
 
         def rotate(matrix, into):
             factors = [(None if a is None else a.T if into else a, g if into else g.T)
@@ -482,8 +505,8 @@ class ThorReference:
                     else self.kernel_precondition(matrix, factors[0]))
 
         rotated = rotate(grad, into=True)
-        return rotate(adam_step(self.rotated_moments, layer.name, rotated, step,
-                                exponent=self.exponent_of(layer.block_kind)), into=False)
+        return rotate(adam_step(moments, layer.name, rotated, step, exponent=exponent),
+                      into=False)
 
     @staticmethod
     def kernel_precondition(grad, factors):
@@ -519,13 +542,17 @@ class ThorReference:
         if step % self.frequency == 0:
             self.refresh_inverses(batch, root)
         factored = self.factored_layers()
-        grads = {}
+        # How far each step moves in the compared bases (see eigenbasis_step), carried
+        # through the step's linear parts: scaling, momentum and the learning rate.
+        grads, moves = {}, {}
         for layer in self.network.layers:
             for key in layer.params:
                 grads[layer.name, key] = self.preconditioned(layer, key, layer.grads[key], batch,
                                                              root)
+                moves[layer.name, key] = (self.basis_effects.pop(layer.name, 0.0)
+                                          if key in ("kernel", "embeddings") else 0.0)
         if self.graft == "adam":
-            self.graft_steps(grads, factored, step)
+            self.graft_steps(grads, moves, factored, step)
         if self.kl_clip is not None:
             size = lr ** 2 * abs(sum(np.sum(layer.grads[key] * grads[layer.name, key])
                                      for layer in factored for key in layer.params
@@ -536,30 +563,37 @@ class ThorReference:
                 for key in layer.params:
                     if key in ("kernel", "embeddings"):
                         grads[layer.name, key] = nu * grads[layer.name, key]
+                        moves[layer.name, key] *= nu
         for layer in self.network.layers:
             for key, weight in layer.params.items():
                 name = f"{layer.name}/{key}"
-                grad = grads[layer.name, key]
+                grad, move = grads[layer.name, key], moves[layer.name, key]
                 if self.weight_decay and self.decay(name):
                     grad = grad + self.weight_decay * weight
                 if self.enable_clip_grad:
+                    move /= max(np.linalg.norm(grad), 1.0)
                     grad = grad / max(np.linalg.norm(grad), 1.0)
                 if self.graft:
-                    grad = (1.0 - self.momentum) * grad
+                    grad, move = (1.0 - self.momentum) * grad, (1.0 - self.momentum) * move
                 velocity = self.momentum * self.velocity[name] + grad
                 self.velocity[name] = velocity
+                self.velocity_moves[name] = self.momentum * self.velocity_moves[name] + move
                 update = grad + self.momentum * velocity if self.use_nesterov else velocity
+                move = (move + self.momentum * self.velocity_moves[name] if self.use_nesterov
+                        else self.velocity_moves[name])
                 if self.cautious is True or (self.cautious == "sequence" and key == "kernel"
                                              and projects_positions(layer)):
                     agree = (update * grad > 0).astype(np.float64)
                     self.kept_fractions.append(agree.mean())
                     update = update * agree / max(agree.mean(), 1e-3)
+                    move /= max(agree.mean(), 1e-3)
                 layer.params[key] = weight - lr * update
+                self.basis_deviations[name] = self.basis_deviations.get(name, 0.0) + lr * move
         self.iterations += 1
 
-    def graft_steps(self, grads, factored, step):
-        """Adam's step length on every direction: factored kernels keep their direction,
-        every other variable takes Adam's step."""
+    def graft_steps(self, grads, moves, factored, step):
+        """Adam's step length on every direction: factored kernels keep their direction (its
+        move in ``moves`` scales with it), every other variable takes Adam's step."""
         for layer in self.network.layers:
             for key in layer.params:
                 adam = adam_step(self.second_moments, f"{layer.name}/{key}", layer.grads[key],
@@ -567,8 +601,9 @@ class ThorReference:
                 if layer in factored and key in ("kernel", "embeddings"):
                     direction = grads[layer.name, key]
                     norm = np.linalg.norm(direction)
-                    grads[layer.name, key] = (direction * np.linalg.norm(adam) / norm
-                                              if norm > 0 else 0.0 * direction)
+                    scale = np.linalg.norm(adam) / norm if norm > 0 else 0.0
+                    grads[layer.name, key] = scale * direction
+                    moves[layer.name, key] *= scale
                 else:
                     grads[layer.name, key] = adam
 

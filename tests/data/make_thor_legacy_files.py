@@ -5,8 +5,10 @@ A small model with a Conv1D, a Dense on sequences, an Embedding and a LayerNorma
 with THOR, every option on, wrapped in a dynamic ``tf_msopt.LossScaleOptimizer``, for
 ``BEFORE`` steps; then ``thor_legacy.keras`` and the ``thor_legacy_ckpt`` checkpoint are written,
 and ``thor_legacy_expected.npz`` holds the weights and optimizer variables after ``AFTER`` more
-steps of the uninterrupted run. The files fix the layout of THOR's state as it was written:
-the tests check that they still load and resume exactly.
+steps of the uninterrupted run, on the machine that wrote them. The files fix the layout of
+THOR's state as it was written: the tests check that they still load and resume exactly as the
+files the current code writes from them, and near that continuation (within float32's rounding
+on another CPU).
 """
 import os
 

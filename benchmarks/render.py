@@ -1,5 +1,5 @@
-"""Renders the benchmark tables of docs/performance.md, docs/convergence.md and docs/thor.md
-from benchmarks/results/.
+"""Renders the benchmark tables of docs/performance.md, docs/convergence.md, docs/thor.md and
+docs/thor_measurements.md from benchmarks/results/.
 
 Each table sits between two marker comments in a page::
 
@@ -28,14 +28,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", page)
-         for page in ("performance.md", "convergence.md", "thor.md")]
+         for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
 NEW_TASKS = ("mnist_mlp", "charlm")
 ALL_TASKS = TASKS + NEW_TASKS
 BLOCKS = ("defaults", "robustness", "heldout")
-# The THOR configuration docs/thor.md recommends on each task (benchmarks/convergence.py's
+# The THOR configuration docs/thor_measurements.md lists for each task (benchmarks/convergence.py's
 # THOR_CONFIGS): the first THOR row of each task in the re-timed table.
 RECOMMENDED = {"mlp": "THOR-klclip", "cnn": "THOR", "mnist1d": "THOR-expand",
                "transformer": "THOR-expand", "mnist_mlp": "THOR-output-side",

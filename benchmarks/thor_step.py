@@ -185,7 +185,7 @@ class Case:
                                 for m in (a, g) if m.shape.rank == 3]
                 else:
                     results.append(block.invert(a, g, (damping, damping), (a_old, g_old),
-                                                optimizer.block_size)[0])
+                                                optimizer.options.block_size)[0])
             return results
         return invert
 

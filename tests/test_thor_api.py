@@ -1,8 +1,14 @@
 """THOR's construction: MindSpore's validation rules, the report, config and connection."""
+import ast
+import inspect
+import os
+import re
+
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import REPO_ROOT
 
 import tf_msopt as mso
 
@@ -48,8 +54,8 @@ def test_bad_arguments_raise_mindspore_types(kwargs, error, argument):
 def test_accepted_forms():
     optimizer = mso.thor(small_model(), tf.constant([0.1, 0.05]), [0.03, 0.02], 0.9,
                          loss_scale=128, weight_decay=0, block_size=None, split_indices=[0])
-    assert optimizer.loss_scale == 128.0 and optimizer.block_size is None
-    assert isinstance(optimizer.damping, mso.schedules.PerStepSchedule)
+    assert optimizer.options.loss_scale == 128.0 and optimizer.options.block_size is None
+    assert isinstance(optimizer.options.damping, mso.schedules.PerStepSchedule)
     assert isinstance(optimizer, mso.THOR) and isinstance(optimizer, keras.optimizers.Optimizer)
 
 
@@ -172,15 +178,51 @@ def test_no_hyper_parameters_give_the_default():
             == {k: v for k, v in config.items() if k not in ignored})
 
 
+#: Another valid value for each argument of the default.
+OVERRIDES = {"learning_rate": 1e-2, "damping": 0.2, "momentum": 0.8, "frequency": 5,
+             "damping_mode": "sqrt", "graft": None, "preconditioner": "inverse",
+             "statistics_decay": 0.9, "block_size": 256, "kl_clip": 1e-3,
+             "eigenbasis_exponent": {"dense": 0.6}, "cautious": False}
+
+
+def _config(optimizer):
+    """The configuration without what names the model's layers."""
+    return {k: v for k, v in optimizer.get_config().items() if k not in ("name", "layers")}
+
+
+def test_overrides_cover_every_argument_of_the_default():
+    assert set(OVERRIDES) == set(mso.thor.DEFAULTS)
+    assert all(OVERRIDES[k] != v for k, v in mso.thor.DEFAULTS.items())
+
+
+@pytest.mark.parametrize("name", OVERRIDES)
+def test_one_argument_given_alone_replaces_it_in_the_default(name):
+    default = _config(mso.thor(_classifier()))
+    changed = _config(mso.thor(_classifier(), **{name: OVERRIDES[name]}))
+    assert changed == _config(
+        mso.THOR(**{**mso.thor.DEFAULTS, name: OVERRIDES[name]}).connect(_classifier()))
+    assert {k for k in default if default[k] != changed[k]} == {name}
+
+
 def test_mindspore_arguments_give_mindspore_thor():
-    config = mso.thor(_classifier(), 0.1, 0.03, 0.9).get_config()
+    config = _config(mso.thor(_classifier(), 0.1, 0.03, 0.9))
     assert (config["frequency"], config["graft"], config["damping_mode"]) == (100, None, "sqrt")
+    assert config == _config(mso.thor(_classifier(), learning_rate=0.1, damping=0.03,
+                                      momentum=0.9, preset="mindspore"))
     for given in (dict(learning_rate=0.1), dict(learning_rate=0.1, damping=0.03),
                   dict(momentum=0.9)):
-        with pytest.raises(TypeError, match="together") as error:
-            mso.thor(_classifier(), **given)
+        with pytest.raises(TypeError, match="preset='mindspore'") as error:
+            mso.thor(_classifier(), preset="mindspore", **given)
         for name in {"learning_rate", "damping", "momentum"} - set(given):
             assert repr(name) in str(error.value)
+
+
+def test_preset_default_replaces_all_three_in_the_default():
+    given = dict(learning_rate=0.1, damping=0.03, momentum=0.8)
+    assert (_config(mso.thor(_classifier(), preset="default", **given))
+            == _config(mso.THOR(**{**mso.thor.DEFAULTS, **given}).connect(_classifier())))
+    with pytest.raises(ValueError, match="'preset'"):
+        mso.thor(_classifier(), preset="adam")
 
 
 def test_bad_graft_names_the_argument():
@@ -198,3 +240,39 @@ def test_the_default_trains():
     history = model.fit(x, y, batch_size=32, epochs=5, verbose=0).history
     assert history["loss"][-1] < 0.7 * history["loss"][0]
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
+
+
+# -- the Arguments table of docs/thor.md ------------------------------------------------------
+
+def _documented_arguments():
+    """``{argument: (default's cell, MindSpore's cell)}`` from docs/thor.md's table."""
+    with open(os.path.join(REPO_ROOT, "docs", "thor.md")) as f:
+        table = f.read().split("## Arguments\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+    rows = {}
+    for line in table[2:]:
+        argument, default, mindspore, _ = (cell.strip() for cell in line.strip("|").split(" | "))
+        rows[argument] = (default, mindspore)
+    return rows
+
+
+def _documented_value(cell):
+    """The literal a cell starts with (its first code span), or None for "(required)"."""
+    if cell == "(required)":
+        return None
+    return ast.literal_eval(re.match(r"`([^`]*)`", cell).group(1))
+
+
+def test_docs_arguments_table_is_the_code():
+    """Every argument of ``mso.thor`` / ``THOR`` has a row, and both default columns are the
+    code's: :data:`DEFAULTS` over THOR's own defaults, and THOR's signature."""
+    rows = _documented_arguments()
+    signature = inspect.signature(mso.THOR.__init__).parameters
+    arguments = [name for name in signature if name not in ("self", "layers", "name", "kwargs")]
+    assert set(rows) == {f"`{name}`" for name in ["model", "preset", *arguments]} | {
+        "`name`, Keras keywords"}
+    required = {"learning_rate", "damping", "momentum"}
+    for name in arguments:
+        default, mindspore = map(_documented_value, rows[f"`{name}`"])
+        want = None if name in required else signature[name].default
+        assert mindspore == want, name
+        assert default == mso.thor.DEFAULTS.get(name, want), name

@@ -64,6 +64,8 @@ def small_model(output_activation=None, inputs=4, hidden=5, outputs=3):
     (dict(eigenbasis_exponent="0.75"), TypeError, "eigenbasis_exponent"),
     (dict(eigenbasis_exponent={"conv": 2.0}), ValueError, r"eigenbasis_exponent\['conv'\]"),
     (dict(eigenbasis_exponent={3: 0.75}), TypeError, "eigenbasis_exponent"),
+    (dict(eigenbasis_exponent={"conv2d": 0.75}), ValueError, r"eigenbasis_exponent.*'conv2d'"),
+    (dict(eigenbasis_exponent={"layer_norm": 0.75}), ValueError, "eigenbasis_exponent"),
 ])
 def test_bad_option_arguments_raise(kwargs, error, argument):
     with pytest.raises(error, match=argument):
@@ -73,14 +75,15 @@ def test_bad_option_arguments_raise(kwargs, error, argument):
 def test_option_defaults_and_config_round_trip():
     model = small_model()
     plain = mso.thor(model, 0.1, 0.03, 0.9, frequency=10)
-    assert (plain.damping_mode, plain.statistics_decay, plain.statistics_frequency,
-            plain.fisher, plain.kl_clip, plain.trace_thresholds, plain.seed) == (
+    options = plain.options
+    assert (options.damping_mode, options.statistics_decay, options.statistics_frequency,
+            options.fisher, options.kl_clip, options.trace_thresholds, options.seed) == (
         "sqrt", None, 10, "empirical", None, None, None)
     assert mso.thor(model, 0.1, 0.03, 0.9, frequency=10,
-                    statistics_decay=0.9).statistics_frequency == 1
+                    statistics_decay=0.9).options.statistics_frequency == 1
     drawn = mso.thor(model, 0.1, 0.03, 0.9, fisher="sampled")
-    assert isinstance(drawn.seed, int)           # drawn once, then kept in the config
-    assert mso.THOR.from_config(drawn.get_config()).seed == drawn.seed
+    assert isinstance(drawn.options.seed, int)           # drawn once, then kept in the config
+    assert mso.THOR.from_config(drawn.get_config()).options.seed == drawn.options.seed
 
     optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=10, damping_mode="pi",
                          statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
@@ -91,7 +94,7 @@ def test_option_defaults_and_config_round_trip():
     assert config["eigenbasis_exponent"] == {"conv": 0.75} and config["cautious"] is True
     assert plain.get_config()["cautious"] is False
     sequence = mso.thor(model, cautious="sequence")
-    assert mso.THOR.from_config(sequence.get_config()).cautious == "sequence"
+    assert mso.THOR.from_config(sequence.get_config()).options.cautious == "sequence"
     assert [optimizer.options.exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
     assert {key: config[key] for key in ("damping_mode", "statistics_decay",
                                          "statistics_frequency", "fisher", "kl_clip",
@@ -100,7 +103,7 @@ def test_option_defaults_and_config_round_trip():
         kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7)
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert type(restored) is mso.THOR and restored.get_config() == config
-    assert restored.trace_thresholds == (0.2, 0.01)
+    assert restored.options.trace_thresholds == (0.2, 0.01)
 
 
 def test_damping_changes_no_step_in_a_grafted_eigenbasis():
@@ -546,7 +549,7 @@ def option_state(optimizer):
     variables = (optimizer.a_averages + optimizer.g_averages + optimizer.statistics_counts
                  + optimizer.traces + optimizer.trace_decisions + [optimizer.kl_factor]
                  + optimizer.rotated_second_moments)
-    if optimizer.graft:
+    if optimizer.options.graft:
         variables += optimizer._graft.second_moments
     state = {v.name: v.numpy() for v in variables}
     state.update({v.name: np.abs(v.numpy())

@@ -10,9 +10,11 @@ XLA) the test checks the error says why.
 Cases whose code differs without the compiled custom ops are marked ``ops_path``: ``make
 test``'s kill-switch pass runs only those.
 """
+import contextlib
 import functools
 import json
 import re
+from unittest import mock
 
 import cases as C
 import keras
@@ -453,6 +455,39 @@ def test_indexed_slices_gradients_equal_dense_ones(case):
     want = C.train(dense_model, C.make(case, dense_model), STEPS, token=True,
                    transform=lambda grads, scale: [tf.convert_to_tensor(g) for g in grads])
     assert_same(got[-1], want[-1], rtol=1e-6, atol=1e-7)
+
+
+@case
+def test_sparse_gradients_reach_variables_through_the_optimizers_assign(case):
+    """Keras' sparse-gradient check: with an IndexedSlices gradient, the optimizers write
+    their variables through their ``assign``/``assign_add``/``assign_sub`` (which keep an
+    update sparse, and are patched out here) or their fused ops, never through a variable's
+    own methods on anything but a scalar (which would densify it)."""
+    model = C.embedding_model()
+    optimizer = C.make(case, model)
+    x, y = C.token_batches(1)[0]
+    with tf.GradientTape() as tape:
+        loss = keras.ops.mean(keras.ops.square(model(x, training=True) - y))
+    grads = tape.gradient(loss, model.trainable_variables)
+    assert isinstance(grads[0], tf.IndexedSlices)
+    chain = [optimizer]
+    while hasattr(chain[-1], "inner_optimizer"):
+        chain.append(chain[-1].inner_optimizer)
+    variable_class = type(model.trainable_variables[0].value)
+    direct = []
+
+    def through_variable(variable, value, *args, **kwargs):
+        if len(variable.shape):
+            direct.append(variable.name)
+
+    with contextlib.ExitStack() as patches:
+        for method in ("assign", "assign_add", "assign_sub"):
+            for inner in chain:
+                patches.enter_context(mock.patch.object(inner, method, autospec=True))
+            patches.enter_context(mock.patch.object(
+                variable_class, method, autospec=True, side_effect=through_variable))
+        optimizer.apply(grads, model.trainable_variables)
+    assert direct == [], f"assigned directly, densifying a sparse update: {direct}"
 
 
 @case

@@ -12,7 +12,6 @@ import dataclasses
 
 import tensorflow as tf
 
-from tf_msopt._common import tf_variable
 from tf_msopt.thor.block_diagonal import robust_eigenvectors, robust_inverses
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning
 from tf_msopt.thor.execution import TracedOnce, buckets, on_each_device, sum_over_replicas, when
@@ -42,14 +41,6 @@ def _identity_blocks(shape, dtype=None):
     if len(shape) == 1:
         return tf.ones(shape, dtype)
     return tf.eye(shape[-1], batch_shape=[shape[0]], dtype=dtype)
-
-
-def _assign(variable, value):
-    tf_variable(variable).assign(value)
-
-
-def _assign_add(variable, value):
-    tf_variable(variable).assign_add(tf.cast(value, variable.dtype))
 
 
 @dataclasses.dataclass
@@ -123,12 +114,17 @@ class CurvatureEstimator:
             ``trace_thresholds``).
         is_inverse_step: returns whether this step recomputes the inverses (a bool
             tensor, or the Python ``True``); called while a step is traced.
+        assign, assign_add: ``(variable, value)``, the optimizer's (through which Keras
+            keeps sparse updates sparse).
     """
 
-    def __init__(self, blocks, options, is_inverse_step):
+    def __init__(self, blocks, options, is_inverse_step, assign, assign_add):
         self.blocks = tuple(block for block in blocks if block.has_factors)
         self.options = options
         self.is_inverse_step = is_inverse_step
+        self._assign = assign
+        self._assign_add = lambda variable, value: assign_add(
+            variable, tf.cast(value, variable.dtype))
         self.layers = []
         self.damping_retries = self.failed_inverses = None
         self.traced_refresh = TracedOnce(self._refresh_bucket)
@@ -227,8 +223,9 @@ class CurvatureEstimator:
         update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
             tf.math.is_finite(g))
         for average, value in ((layer.a_average, a), (layer.g_average, g)):
-            _assign(average, tf.where(update, beta * average + (1.0 - beta) * value, average))
-        _assign_add(layer.count, update)
+            self._assign(average,
+                         tf.where(update, beta * average + (1.0 - beta) * value, average))
+        self._assign_add(layer.count, update)
 
     def _corrected_averages(self, layer):
         """``(layer, A, G, observed)`` from its bias-corrected moving averages; observed once
@@ -287,9 +284,9 @@ class CurvatureEstimator:
             for variable, statistics, layout in sides:
                 vectors, failed = robust_eigenvectors(statistics, layout,
                                                       tf.convert_to_tensor(variable), used)
-                _assign(variable, vectors)
+                self._assign(variable, vectors)
                 kept.append(failed)
-        _assign_add(self.failed_inverses, tf.add_n(kept))
+        self._assign_add(self.failed_inverses, tf.add_n(kept))
         return tf.constant(True)
 
     def _assign_inverses(self, inversions):
@@ -307,10 +304,10 @@ class CurvatureEstimator:
         inverses = iter(inverses)
         for layer, *_ in inversions:
             if inputs:
-                _assign(layer.a_inverse, next(inverses))
-            _assign(layer.g_inverse, next(inverses))
-        _assign_add(self.damping_retries, retried)
-        _assign_add(self.failed_inverses, kept)
+                self._assign(layer.a_inverse, next(inverses))
+            self._assign(layer.g_inverse, next(inverses))
+        self._assign_add(self.damping_retries, retried)
+        self._assign_add(self.failed_inverses, kept)
         return tf.constant(True)
 
     def _trace_rule(self, layer, trace, observed):
@@ -324,9 +321,9 @@ class CurvatureEstimator:
         refresh = observed & ~frozen & (first | (change > omega1))
         freeze = observed & ~frozen & ~first & (change <= omega2)
         reuse = observed & ~frozen & ~refresh & ~freeze
-        _assign_add(decisions, tf.cast(tf.stack([refresh, reuse, freeze | (
+        self._assign_add(decisions, tf.cast(tf.stack([refresh, reuse, freeze | (
             observed & frozen)]), tf.int64))
-        _assign(previous, tf.where(observed & ~frozen, trace, previous))
+        self._assign(previous, tf.where(observed & ~frozen, trace, previous))
         return refresh
 
 

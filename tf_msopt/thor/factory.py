@@ -7,9 +7,9 @@ each step grafted to Adam's length (a learning rate that means what it means to 
 scaled down by the KL clip where it would move the model too far, the factors' moving
 averages over steps, new eigenvectors every 10 steps and, on the Dense and EinsumDense
 kernels applied at each position of a sequence, the cautious mask (a momentum step only
-where it agrees in sign with the current direction). Given MindSpore's
-``learning_rate``, ``damping`` and ``momentum``, it is MindSpore's THOR, with MindSpore's
-defaults for the rest.
+where it agrees in sign with the current direction); any argument given replaces its
+entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum`` together (or
+``preset="mindspore"``), it is MindSpore's THOR, with MindSpore's defaults for the rest.
 """
 from tf_msopt._validation import type_name
 from tf_msopt.thor.optimizer import THOR
@@ -18,24 +18,27 @@ __all__ = ["DEFAULTS", "connect", "thor"]
 
 _OWNER = "THOR"
 
-#: The keyword arguments of ``tf_msopt.thor(model)``; another learning rate is
-#: ``tf_msopt.thor(model, **{**DEFAULTS, "learning_rate": 0.01})``.
+#: The keyword arguments of ``tf_msopt.thor(model)``; any of them given replaces its entry:
+#: ``tf_msopt.thor(model, learning_rate=0.01)``.
 DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
             "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
             "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
             "eigenbasis_exponent": {"conv": 0.75}, "cautious": "sequence"}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
+_PRESETS = ("default", "mindspore")
 
 
 def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.0,
          loss_scale=1.0, batch_size=32, use_nesterov=False, decay_filter=None,
-         split_indices=None, enable_clip_grad=False, frequency=None, **kwargs):
+         split_indices=None, enable_clip_grad=False, frequency=None, preset=None, **kwargs):
     """Creates a :class:`THOR` optimizer for ``model`` and connects it to the model's layers.
 
-    ``thor(model)`` is the default configuration (:data:`DEFAULTS`; any argument given
-    replaces its entry). ``thor(model, learning_rate, damping, momentum, ...)`` is
-    MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given); the learning
-    rate, damping and momentum are given together or not at all.
+    ``thor(model)`` is the default configuration (:data:`DEFAULTS`); any argument given
+    replaces its entry, one at a time (``thor(model, learning_rate=1e-2)``).
+    ``thor(model, learning_rate, damping, momentum, ...)``, the three given together, is
+    MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given).
+    ``preset="default"`` or ``"mindspore"`` names the starting point instead: the default
+    with all three replaced, or MindSpore's THOR, which then needs all three.
 
     Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
     preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
@@ -46,22 +49,25 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     """
     given = {"learning_rate": learning_rate, "damping": damping, "momentum": momentum}
     missing = [name for name, value in given.items() if value is None]
-    if missing and len(missing) < len(given):
+    if preset is None:
+        preset = "default" if missing else "mindspore"
+    if preset not in _PRESETS:
+        raise ValueError(f"For '{_OWNER}', 'preset' must be one of {_PRESETS}, but got "
+                         f"{preset!r}.")
+    if preset == "mindspore" and missing:
         raise TypeError(
-            f"For '{_OWNER}', give 'learning_rate', 'damping' and 'momentum' together "
-            f"(MindSpore's THOR) or none of them (the default configuration), but "
+            f"For '{_OWNER}', MindSpore's THOR (preset='mindspore') needs 'learning_rate', "
+            f"'damping' and 'momentum', but "
             f"{', '.join(repr(name) for name in missing)} {'is' if len(missing) == 1 else 'are'}"
             f" missing.")
     options = dict(weight_decay=weight_decay, loss_scale=loss_scale, batch_size=batch_size,
                    use_nesterov=use_nesterov, decay_filter=decay_filter,
-                   split_indices=split_indices, enable_clip_grad=enable_clip_grad, **kwargs)
+                   split_indices=split_indices, enable_clip_grad=enable_clip_grad,
+                   **{name: value for name, value in given.items() if value is not None},
+                   **kwargs)
     if frequency is not None:
         options["frequency"] = frequency
-    if missing:
-        options = {**DEFAULTS, **options}
-    else:
-        options = {**_MINDSPORE, **given, **options}
-    return THOR(**options).connect(model)
+    return THOR(**{**(DEFAULTS if preset == "default" else _MINDSPORE), **options}).connect(model)
 
 
 def connect(model):

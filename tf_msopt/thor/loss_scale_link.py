@@ -60,7 +60,7 @@ class LossScaleLink:
     def scale_on_loss(self, model):
         """Every scale on the loss: ``loss_scale``, Keras' ``loss_scale_factor`` and the scale
         of the LossScaleOptimizer applying this one, if any."""
-        scale = tf.constant(self.loss_scale * (self.loss_scale_factor or 1.0), tf.float32)
+        scale = tf.constant(self.options.loss_scale * (self.loss_scale_factor or 1.0), tf.float32)
         outer = self.wrapping_loss_scale_optimizer(model)
         if outer is not None:
             scale *= tf.cast(tf.convert_to_tensor(outer.dynamic_scale), tf.float32)

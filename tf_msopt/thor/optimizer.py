@@ -24,10 +24,9 @@ from tf_msopt.thor.options import ThorOptions, check_keras_arguments
 from tf_msopt.thor.report import ThorReport, planned_rows, survey
 from tf_msopt.thor.sampled_fisher import output_distribution
 
-__all__ = ["THOR", "connect", "thor"]
+__all__ = ["THOR"]
 
 _OWNER = "THOR"
-_OPTIONS = frozenset(field.name for field in dataclasses.fields(ThorOptions))
 
 
 def _block_from_config(config):
@@ -209,13 +208,6 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         self._rules = self._masked = None
         self._watch_loss_scale_wrapper()
 
-    def __getattr__(self, name):
-        # The options read as attributes (optimizer.damping, optimizer.frequency, ...).
-        options = self.__dict__.get("options")
-        if options is not None and name in _OPTIONS:
-            return getattr(options, name)
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
-
     @property
     def uses_damping(self):
         """Whether any step reads ``damping`` (see :class:`ThorOptions`)."""
@@ -234,14 +226,14 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         Returns:
             this optimizer.
         """
-        blocks, layers, rows = survey(model, self.block_size)
+        blocks, layers, rows = survey(model, self.options.block_size)
         self._blocks = matching_blocks(self._blocks, blocks, self.built)
         self._connection = ModelConnection(
-            model, blocks, layers, rows, block_size=self.block_size,
-            weight_sharing=self.weight_sharing, batch_size=self.batch_size,
+            model, blocks, layers, rows, block_size=self.options.block_size,
+            weight_sharing=self.options.weight_sharing, batch_size=self.options.batch_size,
             is_statistics_step=self._is_statistics_step,
             strategy=compat.distribution_strategy(self),
-            sampled_seed=self.seed if self.fisher == "sampled" else None,
+            sampled_seed=self.options.seed if self.options.fisher == "sampled" else None,
             step=self.iterations, fisher_distribution=self._fisher_distribution)
         self._rules = None
         return self
@@ -261,10 +253,10 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         from tf_msopt.ops.inverse import inverse_backend
 
         rows = (self._connection.rows if self._connection is not None
-                else planned_rows(self._blocks or (), self.block_size))
+                else planned_rows(self._blocks or (), self.options.block_size))
         decisions = self._estimator.trace_decisions() if self.built else {}
-        return ThorReport(tuple(rows), self.frequency, self.block_size, inverse_backend(),
-                          self._connection is not None, decisions)
+        return ThorReport(tuple(rows), self.options.frequency, self.options.block_size,
+                          inverse_backend(), self._connection is not None, decisions)
 
     def savedmodel_only_children(self):
         # A training step traced in a SavedModel captures the capture buffers, so the
@@ -300,9 +292,10 @@ class THOR(LossScaleLink, MindSporeOptimizer):
                              f"tf_msopt.thor(model, ...) or call connect(model) first.")
         super().build(var_list)
         self.momentums = [self.add_variable_from_reference(v, "momentum") for v in var_list]
-        self._estimator = CurvatureEstimator(self._blocks, self.options, self._is_inverse_step)
+        self._estimator = CurvatureEstimator(self._blocks, self.options, self._is_inverse_step,
+                                              self.assign, self.assign_add)
         self._estimator.build_layers(self._add_state_variable)
-        if self.kl_clip is not None:
+        if self.options.kl_clip is not None:
             self.kl_factor = self.add_variable((), initializer="ones", name="kl_factor")
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries
@@ -310,7 +303,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         self._decay_flags = [self.weight_decay > 0 and bool(self._decay_filter(v))
                              and not self.excluded_from_weight_decay(v) for v in var_list]
         self._graft = (AdamGraft(self.add_variable_from_reference, self.assign, var_list)
-                       if self.graft else None)
+                       if self.options.graft else None)
 
     def _add_state_variable(self, shape, initializer, name, dtype=None):
         return self.add_variable(shape, initializer=initializer, dtype=dtype, name=name)
@@ -325,13 +318,13 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         return tf.equal(tf.math.floormod(tf.convert_to_tensor(self.iterations), steps), 0)
 
     def _is_statistics_step(self):
-        return self._every(self.statistics_frequency)
+        return self._every(self.options.statistics_frequency)
 
     def _is_inverse_step(self):
-        return self._every(self.frequency)
+        return self._every(self.options.frequency)
 
     def _damping(self):
-        return tf.cast(value_at_step(self.damping, self.iterations), tf.float32)
+        return tf.cast(value_at_step(self.options.damping, self.iterations), tf.float32)
 
     # --- the step
 
@@ -373,12 +366,12 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             return
         damping = tf.sqrt(self._damping())
         # Sampled labels come with an unscaled loss; the training loss carries its scale.
-        g_scale = (tf.constant(1.0) if self.fisher == "sampled"
+        g_scale = (tf.constant(1.0) if self.options.fisher == "sampled"
                    else tf.math.reciprocal(tf.square(self.scale_on_loss(self._connection.model()))))
         self._estimator.update(distribution, local, damping, g_scale, self._is_statistics_step())
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):
-        if self.kl_clip is None:
+        if self.options.kl_clip is None:
             return super().distributed_update(distribution, grads_and_vars, learning_rate)
         # The KL factor needs every preconditioned gradient before any is applied.
         grads_and_vars = [(g, v) for g, v in grads_and_vars if g is not None]
@@ -412,15 +405,15 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if products:
             size = tf.abs(tf.add_n(products)) * tf.square(tf.cast(learning_rate, tf.float32))
             nu = tf.where(size > 0, tf.minimum(
-                1.0, tf.sqrt(tf.math.divide_no_nan(self.kl_clip, size))), 1.0)
-            kl_factor.assign(nu)
+                1.0, tf.sqrt(tf.math.divide_no_nan(self.options.kl_clip, size))), 1.0)
+            self.assign(kl_factor, nu)
         for direction, variable, index, factored in steps:
             self._apply(direction * nu if factored else direction, variable, index,
                         learning_rate)
 
     def _unscaled(self, gradient):
         gradient = tf.cast(gradient, tf.float32)
-        return gradient / self.loss_scale if self.loss_scale != 1.0 else gradient
+        return gradient / self.options.loss_scale if self.options.loss_scale != 1.0 else gradient
 
     def _update(self, gradient, variable, learning_rate):
         index = compat.variable_index(self, variable)
@@ -443,19 +436,20 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         if rule is None:
             return gradient
         if isinstance(rule, LayerCurvature):
-            if self.preconditioner == "eigenbasis":
-                return rule.eigenbasis_step(gradient, self.block_size, self.iterations,
+            if self.options.preconditioner == "eigenbasis":
+                return rule.eigenbasis_step(gradient, self.options.block_size, self.iterations,
                                             self.assign,
                                             self.options.exponent_of(rule.block.kind))
-            return rule.precondition(gradient, self.block_size, self.precondition_inputs)
+            return rule.precondition(gradient, self.options.block_size,
+                                     self.options.precondition_inputs)
         state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
                                 damping=self._damping())
-        return rule.precondition(gradient, state, self.block_size)
+        return rule.precondition(gradient, state, self.options.block_size)
 
     def _cautious_variables(self):
         """Per variable index, whether ``cautious`` masks its steps."""
-        if self.cautious != "sequence":
-            return [self.cautious] * len(self._rules)
+        if self.options.cautious != "sequence":
+            return [self.options.cautious] * len(self._rules)
         projections = self._connection.position_projections(self._blocks)
         return [isinstance(rule, LayerCurvature) and rule.block.layer in projections
                 for rule in self._rules]
@@ -466,10 +460,10 @@ class THOR(LossScaleLink, MindSporeOptimizer):
         direction = tf.cast(direction, variable.dtype)
         if self._decay_flags[index]:
             direction += tf.cast(self.weight_decay, variable.dtype) * variable
-        if self.enable_clip_grad:
+        if self.options.enable_clip_grad:
             direction = tf.clip_by_norm(direction, 1.0)
         if self._graft is not None:     # momentum averages the steps, as Adam's first moment
-            direction *= tf.cast(1.0 - self.momentum, variable.dtype)
+            direction *= tf.cast(1.0 - self.options.momentum, variable.dtype)
         momentum = self.momentums[index]
         if self._masked[index]:
             self._cautious_step(direction, variable, momentum, learning_rate)
@@ -477,14 +471,15 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             tf.raw_ops.ResourceApplyMomentum(
                 var=tf_variable(variable).handle, accum=tf_variable(momentum).handle,
                 lr=tf.cast(learning_rate, variable.dtype), grad=direction,
-                momentum=tf.cast(self.momentum, variable.dtype), use_nesterov=self.use_nesterov)
+                momentum=tf.cast(self.options.momentum, variable.dtype),
+                use_nesterov=self.options.use_nesterov)
 
     def _cautious_step(self, direction, variable, velocity, learning_rate):
         """The momentum step along the entries where it agrees with ``direction``."""
-        momentum = tf.cast(self.momentum, variable.dtype)
+        momentum = tf.cast(self.options.momentum, variable.dtype)
         averaged = momentum * velocity + direction
         self.assign(velocity, averaged)
-        step = direction + momentum * averaged if self.use_nesterov else averaged
+        step = direction + momentum * averaged if self.options.use_nesterov else averaged
         agree = tf.cast(step * direction > 0, variable.dtype)
         # Rescaled by the fraction kept, so that masking shortens no step on average.
         scale = tf.cast(learning_rate, variable.dtype) / tf.maximum(tf.reduce_mean(agree), 1e-3)

@@ -6,6 +6,7 @@ from tf_msopt._validation import (check_bool, check_float, check_int, check_numb
                                   type_name)
 from tf_msopt.optimizers.base import check_filter, resolve_learning_rate, serialize_filter
 from tf_msopt.schedules import serialize_step_value
+from tf_msopt.thor.curvature_blocks import REGISTRY
 
 __all__ = ["ThorOptions", "check_keras_arguments"]
 
@@ -111,10 +112,14 @@ def _check_exponent(exponent):
 
     if not isinstance(exponent, dict):
         return check(exponent, arg)
+    kinds = sorted(kind for kind, block in REGISTRY.items() if block.has_factors)
     for kind in exponent:
         if not isinstance(kind, str):
             raise TypeError(f"For '{_OWNER}', the keys of '{arg}' must be layer kinds (str, "
                             f"e.g. 'conv'), but got {kind!r}.")
+        if kind not in kinds:
+            raise ValueError(f"For '{_OWNER}', the keys of '{arg}' must be layer kinds with "
+                             f"Kronecker factors, one of {kinds}, but got {kind!r}.")
     return {kind: check(value, f"{arg}[{kind!r}]") for kind, value in exponent.items()}
 
 

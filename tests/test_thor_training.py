@@ -198,6 +198,7 @@ def test_statistics_only_on_thor_steps():
     assert all(not np.array_equal(b, a) for b, a in zip(after_thor, snapshot()))
 
 
+@pytest.mark.half_precision
 @pytest.mark.parametrize("fisher", ["empirical", "sampled"])
 def test_mixed_float16_records_float32_statistics(fisher):
     """Under the mixed_float16 policy (layers compute in float16, inside Keras'

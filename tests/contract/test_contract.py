@@ -271,6 +271,7 @@ def test_plain_tf_variables_train_like_keras_variables(case):
 
 
 @case
+@pytest.mark.half_precision
 @pytest.mark.parametrize("dtype, tolerance, eps", [("float16", 3e-2, 2.0**-10),
                                                    ("bfloat16", 0.5, 2.0**-7)])
 def test_half_precision_variables(case, dtype, tolerance, eps):

@@ -38,15 +38,13 @@ demo: $(STAMP)
 # install, the docs build) never run there. Then the tests marked `cpu_arithmetic` (float32
 # results whose last bits depend on the CPU's instruction set) run as a CPU without AVX-512
 # computes them: oneDNN capped at AVX2, then oneDNN's kernels off as well (TensorFlow's Eigen
-# kernels, which sum in another order again); see docs/architecture.md. The capped pass
-# leaves out the `half_precision` tests: TensorFlow picks its float16/bfloat16 kernels by the
-# CPU's own features, which the cap hides from oneDNN only, and they crash. pytest exits 5
-# when it collected no test; any non-zero exit fails `make test`.
+# kernels, which sum in another order again); see docs/architecture.md (where the capped
+# pass skips the `half_precision` tests, and why). pytest exits 5 when it collected no test;
+# any non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not once"
-	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) \
-		-m "cpu_arithmetic and not half_precision and not once"
+	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
 	ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \
 		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
 

@@ -127,6 +127,7 @@ def _fit_mixed_float16(callbacks):
     return model, optimizer, history
 
 
+@pytest.mark.half_precision
 def test_mixed_float16_compile_keeps_our_optimizer_trains_and_logs():
     recorder = _Recorder()
     model, optimizer, history = _fit_mixed_float16([recorder])
@@ -163,6 +164,7 @@ def _read_scalars(log_dir):
     return values
 
 
+@pytest.mark.half_precision
 def test_state_reaches_tensorboard(tmp_path):
     pytest.importorskip("tensorboard", reason="keras.callbacks.TensorBoard needs tensorboard")
     _, _, history = _fit_mixed_float16([keras.callbacks.TensorBoard(str(tmp_path))])
@@ -171,6 +173,7 @@ def test_state_reaches_tensorboard(tmp_path):
         assert scalars[f"epoch_{name}"] == [float(v) for v in history[name]]
 
 
+@pytest.mark.half_precision
 def test_mixed_precision_example_runs(monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["mixed_precision.py", "--epochs", "2"])
     try:

@@ -57,12 +57,14 @@ class Preconditioning:
     ``a_inverse`` and ``g_inverse`` are the matrices a kernel is multiplied by on its input
     and output side: the factors' inverses, or the rotations into and out of their
     eigenbases (``preconditioner="eigenbasis"``). ``a_inverse`` is None where the input side
-    is left alone (``precondition_inputs=False``, or a diagonal ``A`` in an eigenbasis)."""
+    is left alone (``precondition_inputs=False``, or a diagonal ``A`` in an eigenbasis).
+    ``root_damping`` is ``sqrt(lambda)``, what THOR's rules add (the LayerNorm rule's);
+    ``batch`` the step's global batch size."""
 
     a_inverse: object = None
     g_inverse: object = None
     batch: object = None
-    damping: object = None
+    root_damping: object = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -351,4 +351,4 @@ class LayerNormBlock(CurvatureBlock):
     def precondition(self, gradient, state, block_size):
         # divide_no_nan: a zero gradient with damping 0 stays 0 instead of 0/0.
         return tf.math.divide_no_nan(gradient,
-                                     tf.square(gradient) / state.batch + tf.sqrt(state.damping))
+                                     tf.square(gradient) / state.batch + state.root_damping)

@@ -443,7 +443,7 @@ class THOR(LossScaleLink, MindSporeOptimizer):
             return rule.precondition(gradient, self.options.block_size,
                                      self.options.precondition_inputs)
         state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
-                                damping=self._damping())
+                                root_damping=tf.sqrt(self._damping()))
         return rule.precondition(gradient, state, self.options.block_size)
 
     def _cautious_variables(self):

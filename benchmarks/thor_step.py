@@ -171,7 +171,8 @@ class Case:
         optimizer = self.optimizer
         blocks = [block for block in optimizer._blocks if block.has_factors]
         statistics = optimizer._connection.statistics
-        previous = list(zip(optimizer.a_inverses, optimizer.g_inverses))
+        previous = [(state.a_inverse, state.g_inverse)
+                    for state in optimizer.curvature.values()]
         damping = tf.sqrt(0.03)
 
         @tf.function

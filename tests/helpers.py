@@ -116,3 +116,10 @@ def run_workers(code, workers=2, timeout=240):
             if process.poll() is None:
                 process.kill()
     return results
+
+
+def curvature_variables(optimizer, *fields):
+    """THOR's state variables ``fields`` (``LayerCurvature`` attributes), field by field, of
+    every factored layer that has them, in layer order."""
+    return [getattr(state, field) for field in fields for state in optimizer.curvature.values()
+            if getattr(state, field) is not None]

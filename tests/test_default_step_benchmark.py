@@ -3,7 +3,7 @@ eigenvectors, and one without statistics either."""
 import keras
 import numpy as np
 
-from helpers import benchmark_module
+from helpers import benchmark_module, curvature_variables
 
 default_step = benchmark_module("default_step")
 
@@ -22,7 +22,8 @@ def test_the_cases_leave_out_the_refresh_and_the_statistics():
         step()      # step 0 computes statistics and eigenvectors in every THOR case
         if name == "adam":
             continue
-        groups = (case.optimizer.a_averages, case.optimizer.g_eigenvectors)
+        groups = (curvature_variables(case.optimizer, "a_average"),
+                  curvature_variables(case.optimizer, "g_eigenvectors"))
         before = [[v.numpy() for v in group] for group in groups]
         for _ in range(10):    # steps 1-10: step 10 is the default's next refresh
             step()

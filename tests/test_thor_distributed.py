@@ -3,6 +3,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import curvature_variables
 from test_thor_training import assert_weights_close, mixed_data, mixed_model
 
 import tf_msopt as mso
@@ -29,7 +30,7 @@ def test_two_replicas_equal_one_device(two_cpu_strategy):
     mirrored, optimizer = train(two_cpu_strategy, wrap, split_indices=[0])
     assert_weights_close(mirrored, single, rtol=1e-5)
     # Every replica holds the same inverses.
-    for variable in optimizer.a_inverses + optimizer.g_inverses:
+    for variable in curvature_variables(optimizer, "a_inverse", "g_inverse"):
         first, second = (v.numpy() for v in variable.value.values)
         np.testing.assert_array_equal(first, second)
 

@@ -249,18 +249,20 @@ def check_option_state(step, optimizer, reference):
         np.testing.assert_allclose(optimizer.kl_factor.numpy(), reference.kl_factors[-1],
                                    rtol=1e-5, err_msg=f"nu at step {step}")
     if reference.statistics_decay is not None:
-        for i, layer in enumerate(layers):
-            assert optimizer.statistics_counts[i].numpy() == reference.counts[layer.name]
-            for variable, average in zip((optimizer.a_averages[i], optimizer.g_averages[i]),
+        for layer in layers:
+            state = optimizer.curvature[layer.name]
+            assert state.count.numpy() == reference.counts[layer.name]
+            for variable, average in zip((state.a_average, state.g_average),
                                          reference.averages[layer.name]):
                 np.testing.assert_allclose(variable.numpy(),
                                            statistics_blocks(average, layer.kind), rtol=1e-5,
                                            atol=1e-6, err_msg=f"{variable.path}, step {step}")
     if reference.trace_thresholds is not None:
-        for i, layer in enumerate(layers):
-            assert list(optimizer.trace_decisions[i].numpy()) == reference.decisions[
+        for layer in layers:
+            state = optimizer.curvature[layer.name]
+            assert list(state.trace_decisions.numpy()) == reference.decisions[
                 layer.name], f"{layer.name} after step {step}"
-            np.testing.assert_allclose(optimizer.traces[i].numpy(), reference.traces[layer.name],
+            np.testing.assert_allclose(state.trace.numpy(), reference.traces[layer.name],
                                        rtol=1e-5)
 
 
@@ -277,17 +279,10 @@ def block_diagonal(blocks, dim):
 def optimizer_bases(optimizer, reference):
     """A function of a reference layer giving the optimizer's current eigenvectors of it in
     the layout of ``reference.bases`` (called when the reference has just refreshed them)."""
-    layers = reference.factored_layers()
-
-    def has_input_basis(layer):
-        bases = reference.bases[layer.name]
-        return (bases[0][0] if layer.kind == "depthwise" else bases[0]) is not None
-
     def bases(layer):
-        index = layers.index(layer)
-        g = optimizer.g_eigenvectors[index].numpy()
-        a = (optimizer.a_eigenvectors[sum(map(has_input_basis, layers[:index]))].numpy()
-             if has_input_basis(layer) else None)
+        state = optimizer.curvature[layer.name]
+        g = state.g_eigenvectors.numpy()
+        a = None if state.a_eigenvectors is None else state.a_eigenvectors.numpy()
         if layer.kind == "depthwise":                   # per channel
             return list(zip([None] * len(g) if a is None else a, g))
         want_a, want_g = reference.bases[layer.name]
@@ -299,9 +294,10 @@ def optimizer_bases(optimizer, reference):
 def check_eigenbasis_state(optimizer, reference):
     """Eigenvectors in place of inverses, as the reference's up to each vector's sign: each
     column's dot product with the reference's is +-1 (0 for a dropped or padded one)."""
-    assert optimizer.a_inverses == optimizer.g_inverses == []
-    a_vectors = iter(optimizer.a_eigenvectors)
-    for layer, g_vectors in zip(reference.factored_layers(), optimizer.g_eigenvectors):
+    assert [layer.name for layer in reference.factored_layers()] == list(optimizer.curvature)
+    for layer in reference.factored_layers():
+        state = optimizer.curvature[layer.name]
+        assert state.a_inverse is None and state.g_inverse is None
         bases = reference.bases[layer.name]
         if layer.kind == "depthwise":
             a_want, g_want = (None if bases[0][0] is None else np.stack([a for a, _ in bases]),
@@ -309,12 +305,13 @@ def check_eigenbasis_state(optimizer, reference):
         else:
             a_want, g_want = (None if bases[0] is None else statistics_blocks(bases[0], "dense"),
                               statistics_blocks(bases[1], "dense"))
-        sides = [(g_vectors, g_want)] + ([] if a_want is None else [(next(a_vectors), a_want)])
+        assert (state.a_eigenvectors is None) == (a_want is None), layer.name
+        sides = [(state.g_eigenvectors, g_want)] + (
+            [] if a_want is None else [(state.a_eigenvectors, a_want)])
         for variable, want in sides:
             np.testing.assert_allclose(np.abs(np.sum(variable.numpy() * want, axis=-2)),
                                        np.sum(want * want, axis=-2), atol=1e-4,
                                        err_msg=variable.path)
-    assert next(a_vectors, None) is None
 
 
 @pytest.mark.parametrize("case", OPTION_CASES.keys())
@@ -335,7 +332,7 @@ def test_options_match_numpy_reference(case):
     if eigenbasis:
         check_eigenbasis_state(optimizer, reference)
     if case.startswith("output_side_only"):    # A is estimated but never inverted
-        for a_inverse in optimizer.a_inverses:
+        for a_inverse in (state.a_inverse for state in optimizer.curvature.values()):
             value = a_inverse.numpy()
             identity = (np.ones_like(value) if value.ndim == 1
                         else np.broadcast_to(np.eye(value.shape[-1]), value.shape))

@@ -14,6 +14,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import curvature_variables
 from test_thor_training import assert_weights_close, mixed_model
 
 import tf_msopt as mso
@@ -143,7 +144,7 @@ def test_pi_is_one_when_a_trace_is_zero():
                          damping_mode="pi")
     model.compile(optimizer=optimizer, loss="mse")
     model.train_on_batch(np.zeros((8, 4), "float32"), np.ones((8, 3), "float32"))
-    for inverse in optimizer.a_inverses:
+    for inverse in curvature_variables(optimizer, "a_inverse"):
         np.testing.assert_allclose(inverse.numpy()[0], np.eye(inverse.shape[-1]) / 0.2,
                                    rtol=1e-6)
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
@@ -174,9 +175,10 @@ def test_trace_rule_refreshes_reuses_and_freezes():
     for scale in (1.0, 3.0, 3.1, 3.1, 10.0):
         xs, ys = x * np.float32(scale), y * np.float32(scale)
         model.train_on_batch(xs, ys)                          # inverse step
-        decisions.append(tuple(optimizer.trace_decisions[0].numpy()))
-        traces.append(float(optimizer.traces[0].numpy()))
-        inverses.append(optimizer.g_inverses[0].numpy().copy())
+        state = optimizer.curvature["fc"]
+        decisions.append(tuple(state.trace_decisions.numpy()))
+        traces.append(float(state.trace.numpy()))
+        inverses.append(state.g_inverse.numpy().copy())
         delta = 2.0 * (xs @ kernel + bias - ys) / 3           # d(mse)/dz times the batch
         expected.append(_damped_trace(xs.astype(np.float64), delta, root))
         model.train_on_batch(xs, ys)                          # stale step
@@ -223,7 +225,7 @@ def test_weight_sharing_expand_sums_g_over_each_examples_positions(fisher):
         model.train_on_batch(x, y)
         captured[sharing] = ([(s.a.numpy(), s.g.numpy(), s.rows.numpy())
                               for s in optimizer._connection.statistics],
-                             [v.numpy()[0] for v in optimizer.g_inverses])
+                             [v.numpy()[0] for v in curvature_variables(optimizer, "g_inverse")])
     positions = [10, 5, 4, 1]       # conv, per_step, emb, head
     for (a, g, rows), (a_mean, g_mean, rows_mean), (inverse, _), count in zip(
             captured["expand"][0], captured["mean"][0],
@@ -349,7 +351,7 @@ def test_sampled_g_matches_numpy(case):
         np.testing.assert_allclose(a, want_a, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(g, want_g, rtol=1e-5, atol=1e-6)
         assert not np.allclose(g, empirical_g, rtol=1e-2)      # not the training loss's G
-    for inverse, (_, want_g) in zip(optimizer.g_inverses, want):
+    for inverse, (_, want_g) in zip(curvature_variables(optimizer, "g_inverse"), want):
         np.testing.assert_allclose(inverse.numpy()[0],
                                    np.linalg.inv(want_g + math.sqrt(damping)
                                                  * np.eye(len(want_g))),
@@ -455,13 +457,14 @@ def test_non_finite_statistics_or_outputs_are_not_recorded():
                              fisher="sampled", seed=0, statistics_decay=0.5)
         model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss=loss)
         model.train_on_batch(x, y)                   # statistics step 0
-        fc_averages = [optimizer.a_averages[0].numpy(), optimizer.g_averages[0].numpy()]
+        fc = optimizer.curvature["fc"]
+        fc_averages = [fc.a_average.numpy(), fc.g_average.numpy()]
         model.train_on_batch(bad, y)
-        np.testing.assert_array_equal(fc_averages[0], optimizer.a_averages[0].numpy())
-        np.testing.assert_array_equal(fc_averages[1], optimizer.g_averages[0].numpy())
+        np.testing.assert_array_equal(fc_averages[0], fc.a_average.numpy())
+        np.testing.assert_array_equal(fc_averages[1], fc.g_average.numpy())
         model.train_on_batch(x, y)
         model.train_on_batch(bad, y)
-        assert [float(c.numpy()) for c in optimizer.statistics_counts] == counts
+        assert [float(c.numpy()) for c in curvature_variables(optimizer, "count")] == counts
         assert int(optimizer.iterations.numpy()) == steps
         for variable in optimizer.variables + model.weights:
             assert np.all(np.isfinite(variable.numpy())), variable.path
@@ -546,14 +549,14 @@ def train_steps(model, first, count, batch=8):
 def option_state(optimizer):
     """The options' optimizer variables, by name (paths change inside a wrapper);
     eigenvectors up to their signs, which the steps do not depend on."""
-    variables = (optimizer.a_averages + optimizer.g_averages + optimizer.statistics_counts
-                 + optimizer.traces + optimizer.trace_decisions + [optimizer.kl_factor]
-                 + optimizer.rotated_second_moments)
+    variables = curvature_variables(optimizer, "a_average", "g_average", "count", "trace",
+                                    "trace_decisions", "rotated_second_moment")
+    variables.append(optimizer.kl_factor)
     if optimizer.options.graft:
         variables += optimizer._graft.second_moments
     state = {v.name: v.numpy() for v in variables}
     state.update({v.name: np.abs(v.numpy())
-                  for v in optimizer.a_eigenvectors + optimizer.g_eigenvectors})
+                  for v in curvature_variables(optimizer, "a_eigenvectors", "g_eigenvectors")})
     return state
 
 
@@ -582,7 +585,7 @@ def test_two_replicas_equal_one_device(two_cpu_strategy, options):
     mirrored, mirrored_state, optimizer = train(two_cpu_strategy)
     assert_weights_close(mirrored, single, rtol=1e-5)
     assert_states_close(mirrored_state, single_state, rtol=1e-5)
-    for variable in (optimizer.a_averages + optimizer.g_inverses + optimizer.g_eigenvectors
+    for variable in (curvature_variables(optimizer, "a_average", "g_inverse", "g_eigenvectors")
                      + [optimizer.kl_factor]):
         first, second = (v.numpy() for v in variable.value.values)
         np.testing.assert_array_equal(first, second)
@@ -607,7 +610,7 @@ def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
     labels = sampled_labels("categorical", True, logits, seed, step=0)
     want = sampled_statistics(model, x, "categorical", labels)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
-    for variable, (_, want_g) in zip(optimizer.g_inverses, want):
+    for variable, (_, want_g) in zip(curvature_variables(optimizer, "g_inverse"), want):
         for inverse in variable.value.values:
             np.testing.assert_allclose(inverse.numpy()[0], np.linalg.inv(
                 want_g + math.sqrt(damping) * np.eye(len(want_g))), rtol=1e-4, atol=1e-5)

@@ -38,15 +38,6 @@ def _block_from_config(config):
         {key: value for key, value in config.items() if key in fields or key == "kind"})
 
 
-def _layer_state(field):
-    """A list of one field of every factored layer's state (those that have it)."""
-    def states(self):
-        layers = self._estimator.layers if self._estimator is not None else ()
-        return [getattr(layer, field) for layer in layers if getattr(layer, field) is not None]
-    states.__doc__ = f"Each factored layer's ``{field}`` variable, in layer order."
-    return property(states)
-
-
 @register
 class THOR(LossScaleLink, MindSporeOptimizer):
     """THOR, MindSpore's second-order optimizer, on Keras layers.
@@ -269,16 +260,14 @@ class THOR(LossScaleLink, MindSporeOptimizer):
 
     # --- state
 
-    a_inverses = _layer_state("a_inverse")
-    g_inverses = _layer_state("g_inverse")
-    a_eigenvectors = _layer_state("a_eigenvectors")
-    g_eigenvectors = _layer_state("g_eigenvectors")
-    rotated_second_moments = _layer_state("rotated_second_moment")
-    a_averages = _layer_state("a_average")
-    g_averages = _layer_state("g_average")
-    statistics_counts = _layer_state("count")
-    traces = _layer_state("trace")
-    trace_decisions = _layer_state("trace_decisions")
+    @property
+    def curvature(self):
+        """Each factored layer's curvature state by layer name, in layer order: a
+        :class:`~tf_msopt.thor.curvature_estimator.LayerCurvature` of optimizer variables
+        (its inverses or eigenvectors, moving averages, trace-rule state; None where the
+        options keep none). Empty before ``build``."""
+        layers = self._estimator.layers if self._estimator is not None else ()
+        return {layer.block.layer: layer for layer in layers}
 
     @property
     def _traced_refresh(self):

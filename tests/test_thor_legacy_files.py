@@ -66,8 +66,16 @@ def assert_same_run(got, want):
 
 
 @pytest.fixture(scope="module")
-def keras_file_run():
-    return resumed(load_keras_file(KERAS_FILE))
+def keras_file():
+    """``(tolerance, run)``: :func:`rounding_tolerance` of the old ``.keras`` file's state, and
+    its continuation."""
+    model = load_keras_file(KERAS_FILE)
+    return rounding_tolerance(model.optimizer.inner_optimizer), resumed(model)
+
+
+@pytest.fixture(scope="module")
+def keras_file_run(keras_file):
+    return keras_file[1]
 
 
 def test_keras_file_resumes_as_the_file_the_current_code_saves_from_it(
@@ -95,31 +103,27 @@ def real_eigenvalues(inverse, dim):
                            for i, block in enumerate(inverse)])
 
 
-def rounding_tolerance(model):
+def rounding_tolerance(thor):
     """How far, relative to an array's largest entry, another CPU's float32 arithmetic can
-    take the continuation. There each op's result moves by about float32's roundoff
-    ``u = 2^-24``, and each THOR step applies a layer's ``(A + d) kron (G + d)`` inverse,
-    which magnifies a relative perturbation by up to its condition number ``kappa_A
-    kappa_G`` (at most 15 in these files); the continuation's steps add up to ``steps *
-    kappa * u`` (6.3e-6). A state a file lost moves the continuation by 0.1 or more (a
-    momentum slot, an average, the step count, the loss scale); runs on AVX-512, AMX and
+    take the continuation from ``thor``'s state. There each op's result moves by about
+    float32's roundoff ``u = 2^-24``, and each THOR step applies a layer's ``(A + d) kron
+    (G + d)`` inverse, which magnifies a relative perturbation by up to its condition number
+    ``kappa_A kappa_G`` (at most 15 in these files); the continuation's steps add up to
+    ``steps * kappa * u`` (6.3e-6). A state a file lost moves the continuation by 0.1 or more
+    (a momentum slot, an average, the step count, the loss scale); runs on AVX-512, AMX and
     AVX2, with oneDNN on and off, stayed within 1.5e-6."""
-    def condition(side, layer):
-        kernel = layer.trainable_weights[0]
-        dim = int(np.prod(kernel.shape[:-1])) if side == "a" else kernel.shape[-1]
-        inverse = next(v for v in model.optimizer.variables
-                       if v.path == f"thor/{layer.name}_{side}_inverse")
+    def condition(inverse, dim):
         values = real_eigenvalues(inverse.numpy(), dim)
         return values.max() / values.min()
 
-    kappa = max(condition("a", layer) * condition("g", layer) for layer in model.layers
-                if any(v.path == f"thor/{layer.name}_a_inverse"
-                       for v in model.optimizer.variables))
+    kappa = max(condition(state.a_inverse, state.block.a_dim)
+                * condition(state.g_inverse, state.block.g_dim)
+                for state in thor.curvature.values())
     return (len(legacy.batches()) - legacy.BEFORE) * kappa * 2.0**-24
 
 
-def test_continuation_matches_the_committed_one_within_float32_rounding(keras_file_run):
-    tolerance = rounding_tolerance(load_keras_file(KERAS_FILE))
+def test_continuation_matches_the_committed_one_within_float32_rounding(keras_file):
+    tolerance, keras_file_run = keras_file
     want = committed_continuation()
     assert len(keras_file_run) == len(want)
     for got_array, want_array in zip(keras_file_run, want):

@@ -571,8 +571,8 @@ class ThorReference:
                 if self.weight_decay and self.decay(name):
                     grad = grad + self.weight_decay * weight
                 if self.enable_clip_grad:
-                    move /= max(np.linalg.norm(grad), 1.0)
-                    grad = grad / max(np.linalg.norm(grad), 1.0)
+                    clip = max(np.linalg.norm(grad), 1.0)
+                    grad, move = grad / clip, move / clip
                 if self.graft:
                     grad, move = (1.0 - self.momentum) * grad, (1.0 - self.momentum) * move
                 velocity = self.momentum * self.velocity[name] + grad

@@ -1,5 +1,6 @@
 """THOR's construction: MindSpore's validation rules, the report, config and connection."""
 import ast
+import dataclasses
 import inspect
 import os
 import re
@@ -167,7 +168,9 @@ def test_no_hyper_parameters_give_the_default():
     config = optimizer.get_config()
     for name, value in mso.thor.DEFAULTS.items():
         assert config[name] == pytest.approx(value), name
-    assert config["graft"] == "adam" and config["damping_mode"] == "relative"
+    # Nothing the default updates reads a damping, so it has none.
+    assert config["graft"] == "adam" and config["damping"] is None
+    assert config["experimental"] is None and not optimizer.uses_damping
     # An argument given replaces the default's entry, the rest stays.
     changed = mso.thor(_classifier(), frequency=20, weight_decay=1e-4).get_config()
     assert (changed["frequency"], changed["weight_decay"], changed["graft"]) == (20, 1e-4, "adam")
@@ -180,9 +183,11 @@ def test_no_hyper_parameters_give_the_default():
 
 #: Another valid value for each argument of the default.
 OVERRIDES = {"learning_rate": 1e-2, "damping": 0.2, "momentum": 0.8, "frequency": 5,
-             "damping_mode": "sqrt", "graft": None, "preconditioner": "inverse",
-             "statistics_decay": 0.9, "block_size": 256, "kl_clip": 1e-3,
-             "eigenbasis_exponent": {"dense": 0.6}, "cautious": False}
+             "graft": None, "preconditioner": "inverse", "statistics_decay": 0.9,
+             "block_size": 256, "kl_clip": 1e-3, "eigenbasis_exponent": {"dense": 0.6},
+             "cautious": False}
+#: The overrides that make a step read the damping, which the default has none of.
+DAMPED = {"graft", "preconditioner"}
 
 
 def _config(optimizer):
@@ -197,11 +202,15 @@ def test_overrides_cover_every_argument_of_the_default():
 
 @pytest.mark.parametrize("name", OVERRIDES)
 def test_one_argument_given_alone_replaces_it_in_the_default(name):
+    given = {name: OVERRIDES[name]}
+    if name in DAMPED:
+        with pytest.raises(ValueError, match="'damping' is needed"):
+            mso.thor(_classifier(), **given)
+        given["damping"] = 0.1
     default = _config(mso.thor(_classifier()))
-    changed = _config(mso.thor(_classifier(), **{name: OVERRIDES[name]}))
-    assert changed == _config(
-        mso.THOR(**{**mso.thor.DEFAULTS, name: OVERRIDES[name]}).connect(_classifier()))
-    assert {k for k in default if default[k] != changed[k]} == {name}
+    changed = _config(mso.thor(_classifier(), **given))
+    assert changed == _config(mso.THOR(**{**mso.thor.DEFAULTS, **given}).connect(_classifier()))
+    assert {k for k in default if default[k] != changed[k]} == set(given)
 
 
 def test_mindspore_arguments_give_mindspore_thor():
@@ -276,3 +285,17 @@ def test_docs_arguments_table_is_the_code():
         want = None if name in required else signature[name].default
         assert mindspore == want, name
         assert default == mso.thor.DEFAULTS.get(name, want), name
+
+
+def test_docs_experimental_table_is_the_code():
+    """docs/thor.md's table of experimental options has one row per field of
+    ``mso.thor.Experimental``, with its default."""
+    with open(os.path.join(REPO_ROOT, "docs", "thor.md")) as f:
+        section = f.read().split("### Experimental options\n", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| `")]
+    documented = {}
+    for line in rows:
+        field, default, _ = (cell.strip() for cell in line.strip("|").split(" | ", 2))
+        documented[field.strip("`")] = _documented_value(default)
+    assert documented == {field.name: field.default
+                          for field in dataclasses.fields(mso.thor.Experimental)}

@@ -78,8 +78,9 @@ def test_option_defaults_and_config_round_trip():
     plain = mso.thor(model, 0.1, 0.03, 0.9, frequency=10)
     options = plain.options
     assert (options.damping_mode, options.statistics_decay, options.statistics_frequency,
-            options.fisher, options.kl_clip, options.trace_thresholds, options.seed) == (
-        "sqrt", None, 10, "empirical", None, None, None)
+            options.fisher, options.kl_clip, options.experimental, options.seed) == (
+        "sqrt", None, 10, "empirical", None, mso.thor.Experimental(), None)
+    assert plain.get_config()["experimental"] is None
     assert mso.thor(model, 0.1, 0.03, 0.9, frequency=10,
                     statistics_decay=0.9).options.statistics_frequency == 1
     drawn = mso.thor(model, 0.1, 0.03, 0.9, fisher="sampled")
@@ -96,15 +97,33 @@ def test_option_defaults_and_config_round_trip():
     assert plain.get_config()["cautious"] is False
     sequence = mso.thor(model, cautious="sequence")
     assert mso.THOR.from_config(sequence.get_config()).options.cautious == "sequence"
-    assert [optimizer.options.exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
-    assert {key: config[key] for key in ("damping_mode", "statistics_decay",
-                                         "statistics_frequency", "fisher", "kl_clip",
-                                         "trace_thresholds", "seed")} == dict(
-        damping_mode="pi", statistics_decay=0.95, statistics_frequency=5, fisher="sampled",
-        kl_clip=1e-3, trace_thresholds=[0.2, 0.01], seed=7)
+    assert {key: config[key] for key in ("damping_mode", "statistics_decay", "fisher",
+                                         "kl_clip", "seed", "experimental")} == dict(
+        damping_mode="sqrt", statistics_decay=0.95, fisher="sampled", kl_clip=1e-3, seed=7,
+        experimental=dict(trace_thresholds=[0.2, 0.01], statistics_frequency=5,
+                          pi_damping=True))
+    # The experimental options given by name or as one object are one option.
+    assert config == mso.thor(model, 0.1, 0.03, 0.9, frequency=10, statistics_decay=0.95,
+                              fisher="sampled", kl_clip=1e-3, seed=7,
+                              preconditioner="eigenbasis", eigenbasis_exponent={"conv": 0.75},
+                              cautious=True, name=config["name"],
+                              experimental=mso.thor.Experimental(
+                                  trace_thresholds=(0.2, 0.01), statistics_frequency=5,
+                                  pi_damping=True)).get_config()
     restored = keras.optimizers.deserialize(keras.optimizers.serialize(optimizer))
     assert type(restored) is mso.THOR and restored.get_config() == config
-    assert restored.options.trace_thresholds == (0.2, 0.01)
+    assert restored.options.experimental.trace_thresholds == (0.2, 0.01)
+    # A config written before the namespace, with the options at the top, loads the same.
+    flat = {key: value for key, value in config.items() if key != "experimental"}
+    flat.update(damping_mode="pi", trace_thresholds=[0.2, 0.01], statistics_frequency=5,
+                weight_sharing="mean", precondition_inputs=True)
+    assert mso.THOR.from_config(flat).get_config() == config
+
+
+def test_eigenbasis_exponent_per_layer_kind():
+    model = small_model()
+    exponent_of = mso.thor(model, eigenbasis_exponent={"conv": 0.75}).preconditioner.exponent_of
+    assert [exponent_of(kind) for kind in ("conv", "dense")] == [0.75, 0.5]
 
 
 def test_damping_changes_no_step_in_a_grafted_eigenbasis():

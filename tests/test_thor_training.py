@@ -298,7 +298,7 @@ def test_inversion_graph_traced_once_when_a_custom_step_is_traced_twice():
 
     step(x[:64], y[:64])
     assert len(traces) == 2 and optimizer.iterations.numpy() == 1
-    assert optimizer._traced_refresh._traced.experimental_get_tracing_count() == 1
+    assert optimizer._estimator.traced_refresh._traced.experimental_get_tracing_count() == 1
 
 
 def train_singular(xla=False):

@@ -79,3 +79,11 @@ def check_number_range(value, arg, owner, low=None, high=None, low_inclusive=Tru
             f"but got {value}."
         )
     return value
+
+
+def check_choice(value, arg, owner, choices):
+    """``value`` if it is one of ``choices``, else a ``ValueError`` naming ``arg``."""
+    if value not in choices:
+        raise ValueError(f"For '{owner}', the '{arg}' must be one of {list(choices)}, "
+                         f"but got {value!r}.")
+    return value

@@ -8,12 +8,19 @@ statistics to its layers.
 
 - ``factory.py``: :func:`thor`, :data:`DEFAULTS` and :func:`connect` (reconnects a
   loaded model's THOR after ``load_model``);
-- ``optimizer.py``: :class:`THOR` (the schedule of steps, the preconditioned
-  momentum update, the KL clip, the config);
+- ``optimizer.py``: :class:`THOR` (the schedule of steps, each variable's update, the
+  config);
+- ``preconditioners.py``: the inverse (MindSpore's) and the eigenbasis (the default's),
+  each owning its state, refresh and step;
+- ``step_modifiers.py``: the pieces of the step after preconditioning (weight decay, norm
+  clip, KL clip, momentum, the cautious mask);
+- ``model_link.py``: THOR's connection to its model (``connect``, ``report``);
 - ``grafting.py``: Adam-grafted step lengths (``graft="adam"``);
 - ``options.py``: THOR's options, checked and serialized once;
-- ``curvature_estimator.py``: each factored layer's curvature state (inverses,
-  moving averages, trace rule) and its updates from the captured statistics;
+- ``experimental.py``: :class:`Experimental`, the options no default uses;
+- ``curvature_estimator.py``: each factored layer's curvature state (the
+  preconditioner's, moving averages, trace rule) and its updates from the captured
+  statistics;
 - ``curvature_base.py``: the base of the curvature blocks and the registry from
   Keras layer types to them;
 - ``curvature_blocks.py``: one curvature block per layer kind (Dense,
@@ -33,11 +40,12 @@ import sys
 import types
 
 from tf_msopt.thor import block_diagonal as blocks  # the module's former name
+from tf_msopt.thor.experimental import Experimental
 from tf_msopt.thor.factory import DEFAULTS, connect, thor
 from tf_msopt.thor.optimizer import THOR
 from tf_msopt.thor.report import ThorReport
 
-__all__ = ["DEFAULTS", "THOR", "ThorReport", "connect", "thor"]
+__all__ = ["DEFAULTS", "Experimental", "THOR", "ThorReport", "connect", "thor"]
 
 
 class _CallableModule(types.ModuleType):

@@ -76,20 +76,17 @@ class ModelConnection:
         return [self.batch] + [buffer for layer in self.statistics
                                for buffer in (layer.a, layer.g, layer.rows)]
 
-    def variable_rules(self, blocks, factored, count, index_of):
-        """Per index of the ``count`` trainable variables: for the variables of the treated
-        layers, the entry of ``factored`` (one per layer with factors, in order) or the
-        block (other layers); None for the others. ``index_of(variable)`` gives a variable's
-        index, or None (matched by object: paths change when a model is loaded)."""
-        rules = [None] * count
-        factored = iter(factored)
+    def variable_blocks(self, blocks, count, index_of):
+        """Per index of the ``count`` trainable variables: the curvature block of the treated
+        layer it belongs to, or None. ``index_of(variable)`` gives a variable's index, or
+        None."""
+        found = [None] * count
         for block, layer in zip(blocks, self.layers):
-            rule = next(factored) if block.has_factors else block
             for variable in block.treated_variables(layer):
                 index = index_of(variable)
                 if index is not None:
-                    rules[index] = rule
-        return rules
+                    found[index] = block
+        return found
 
     def position_projections(self, blocks):
         """The names of the layers that apply their kernel at each position of a sequence

@@ -44,10 +44,13 @@ def block_for(layer):
 
 
 def from_config(config):
+    """The block a config describes; keys its class has no field for are ignored (configs
+    written by other versions may carry them)."""
     config = dict(config)
     cls = REGISTRY[config.pop("kind")]
+    fields = {field.name for field in dataclasses.fields(cls)}
     return cls(**{key: tuple(value) if isinstance(value, list) else value
-                  for key, value in config.items()})
+                  for key, value in config.items() if key in fields})
 
 
 @dataclasses.dataclass(frozen=True)

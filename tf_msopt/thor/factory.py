@@ -11,7 +11,8 @@ where it agrees in sign with the current direction); any argument given replaces
 entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum`` together (or
 ``preset="mindspore"``), it is MindSpore's THOR, with MindSpore's defaults for the rest.
 """
-from tf_msopt._validation import type_name
+from tf_msopt._validation import check_choice, type_name
+from tf_msopt.thor.experimental import split_experimental
 from tf_msopt.thor.optimizer import THOR
 
 __all__ = ["DEFAULTS", "connect", "thor"]
@@ -20,8 +21,8 @@ _OWNER = "THOR"
 
 #: The keyword arguments of ``tf_msopt.thor(model)``; any of them given replaces its entry:
 #: ``tf_msopt.thor(model, learning_rate=0.01)``.
-DEFAULTS = {"learning_rate": 5e-3, "damping": 0.1, "momentum": 0.9, "frequency": 10,
-            "damping_mode": "relative", "graft": "adam", "preconditioner": "eigenbasis",
+DEFAULTS = {"learning_rate": 5e-3, "damping": None, "momentum": 0.9, "frequency": 10,
+            "graft": "adam", "preconditioner": "eigenbasis",
             "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
             "eigenbasis_exponent": {"conv": 0.75}, "cautious": "sequence"}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
@@ -38,7 +39,9 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     ``thor(model, learning_rate, damping, momentum, ...)``, the three given together, is
     MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given).
     ``preset="default"`` or ``"mindspore"`` names the starting point instead: the default
-    with all three replaced, or MindSpore's THOR, which then needs all three.
+    with all three replaced, or MindSpore's THOR, which then needs all three. The
+    experimental options (:class:`~tf_msopt.thor.experimental.Experimental`) are taken by
+    name too.
 
     Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
     preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
@@ -51,17 +54,16 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     missing = [name for name, value in given.items() if value is None]
     if preset is None:
         preset = "default" if missing else "mindspore"
-    if preset not in _PRESETS:
-        raise ValueError(f"For '{_OWNER}', 'preset' must be one of {_PRESETS}, but got "
-                         f"{preset!r}.")
+    check_choice(preset, "preset", _OWNER, _PRESETS)
     if preset == "mindspore" and missing:
         raise TypeError(
             f"For '{_OWNER}', MindSpore's THOR (preset='mindspore') needs 'learning_rate', "
             f"'damping' and 'momentum', but "
             f"{', '.join(repr(name) for name in missing)} {'is' if len(missing) == 1 else 'are'}"
             f" missing.")
+    kwargs, experimental = split_experimental(kwargs)
     options = dict(weight_decay=weight_decay, loss_scale=loss_scale, batch_size=batch_size,
-                   use_nesterov=use_nesterov, decay_filter=decay_filter,
+                   experimental=experimental, use_nesterov=use_nesterov, decay_filter=decay_filter,
                    split_indices=split_indices, enable_clip_grad=enable_clip_grad,
                    **{name: value for name, value in given.items() if value is not None},
                    **kwargs)

@@ -54,11 +54,11 @@ class AdamGraft:
         self.second_moments = [add_slot(variable, "graft_second_moment")
                                for variable in variables]
 
-    def direction(self, index, gradient, preconditioned, step):
-        """The grafted direction of variable ``index`` at ``step`` (0 for the first):
-        ``preconditioned`` rescaled to Adam's step length, or Adam's step where
-        ``preconditioned`` is None."""
-        adam = adam_step(self.second_moments[index], gradient, step, self.assign)
+    def direction(self, moment, gradient, preconditioned, step):
+        """The grafted direction at ``step`` (0 for the first) of a variable whose second
+        moment is ``moment`` (one of :attr:`second_moments`): ``preconditioned`` rescaled to
+        Adam's step length, or Adam's step where ``preconditioned`` is None."""
+        adam = adam_step(moment, gradient, step, self.assign)
         if preconditioned is None:
             return adam
         return preconditioned * tf.math.divide_no_nan(tf.norm(adam), tf.norm(preconditioned))

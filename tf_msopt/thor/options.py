@@ -2,23 +2,21 @@
 import dataclasses
 import random
 
-from tf_msopt._validation import (check_bool, check_float, check_int, check_number_range,
-                                  type_name)
+from tf_msopt._validation import (check_bool, check_choice, check_float, check_int,
+                                  check_number_range, type_name)
 from tf_msopt.optimizers.base import check_filter, resolve_learning_rate, serialize_filter
 from tf_msopt.schedules import serialize_step_value
 from tf_msopt.thor.curvature_blocks import REGISTRY
+from tf_msopt.thor.experimental import Experimental
+from tf_msopt.thor.preconditioners import PRECONDITIONERS
 
 __all__ = ["ThorOptions", "check_keras_arguments"]
 
 _OWNER = "THOR"
-_DAMPING_MODES = ("sqrt", "pi", "relative")
+_DAMPING_MODES = ("sqrt", "relative")
 _GRAFTS = (None, "adam")
 _FISHERS = ("empirical", "sampled")
-_WEIGHT_SHARINGS = ("mean", "expand")
-_PRECONDITIONERS = ("inverse", "eigenbasis")
 _CAUTIOUS = (False, True, "sequence")
-#: The exponent of Adam's second moment in an eigenbasis where none is given (SOAP's).
-ADAM_EXPONENT = 0.5
 
 
 def _non_negative(value, arg, allow_int=True):
@@ -31,18 +29,11 @@ def _positive(value, arg):
                               low_inclusive=False)
 
 
-def _check_choice(value, arg, choices):
-    if value not in choices:
-        raise ValueError(f"For '{_OWNER}', the '{arg}' must be one of {list(choices)}, "
-                         f"but got {value!r}.")
-    return value
-
-
 def _check_cautious(cautious):
     if not isinstance(cautious, (bool, str)):
         raise TypeError(f"For '{_OWNER}', the 'cautious' must be a bool or 'sequence', but got "
                         f"type '{type_name(cautious)}'.")
-    return _check_choice(cautious, "cautious", _CAUTIOUS)
+    return check_choice(cautious, "cautious", _OWNER, _CAUTIOUS)
 
 
 def _check_split_indices(split_indices):
@@ -62,17 +53,10 @@ def _check_split_indices(split_indices):
     return list(split_indices)
 
 
-def _check_statistics(decay, statistics_frequency, frequency):
-    """``(decay, statistics_frequency)``: the frequency defaults to 1 with a decay and to
-    ``frequency`` without one, and must divide ``frequency``."""
-    if decay is not None:
-        decay = check_number_range(check_float(decay, "statistics_decay", _OWNER),
-                                   "statistics_decay", _OWNER, low=0.0, high=1.0,
-                                   high_inclusive=False)
+def _check_statistics_frequency(statistics_frequency, decay, frequency):
+    """The experimental ``statistics_frequency`` needs a decay and must divide ``frequency``."""
     if statistics_frequency is None:
-        return decay, 1 if decay is not None else frequency
-    statistics_frequency = check_int(statistics_frequency, "statistics_frequency", _OWNER,
-                                     min_value=1)
+        return
     if decay is None and statistics_frequency != frequency:
         raise ValueError(
             f"For '{_OWNER}', 'statistics_frequency' needs 'statistics_decay' (without a moving "
@@ -82,22 +66,6 @@ def _check_statistics(decay, statistics_frequency, frequency):
         raise ValueError(
             f"For '{_OWNER}', the 'statistics_frequency' must divide 'frequency' "
             f"({frequency}), but got {statistics_frequency}.")
-    return decay, statistics_frequency
-
-
-def _check_trace_thresholds(thresholds):
-    if thresholds is None:
-        return None
-    if (not isinstance(thresholds, (list, tuple)) or len(thresholds) != 2
-            or not all(isinstance(t, (int, float)) and not isinstance(t, bool)
-                       for t in thresholds)):
-        raise TypeError(f"For '{_OWNER}', the 'trace_thresholds' must be None or a pair of "
-                        f"floats (omega1, omega2), but got {thresholds!r}.")
-    omega1, omega2 = map(float, thresholds)
-    if not 0.0 <= omega2 <= omega1:
-        raise ValueError(f"For '{_OWNER}', the 'trace_thresholds' (omega1, omega2) must satisfy "
-                         f"0 <= omega2 <= omega1, but got {thresholds!r}.")
-    return omega1, omega2
 
 
 def _check_exponent(exponent):
@@ -146,7 +114,8 @@ def check_keras_arguments(kwargs):
 class ThorOptions:
     """THOR's arguments other than the learning rate (see :class:`tf_msopt.THOR`), checked
     and normalised on creation: a bad argument raises MindSpore's error type naming it.
-    ``damping`` takes the forms of a learning rate and becomes a float or a schedule."""
+    ``damping`` takes the forms of a learning rate and becomes a float or a schedule (or
+    stays None where no step reads it)."""
 
     damping: object
     momentum: float
@@ -160,17 +129,14 @@ class ThorOptions:
     block_size: object = 128
     damping_mode: str = "sqrt"
     statistics_decay: object = None
-    statistics_frequency: object = None
     fisher: str = "empirical"
     kl_clip: object = None
-    trace_thresholds: object = None
     seed: object = None
-    weight_sharing: str = "mean"
     graft: object = None
-    precondition_inputs: bool = True
     preconditioner: str = "inverse"
     eigenbasis_exponent: object = None
     cautious: object = False
+    experimental: Experimental = Experimental()
     weight_decay: float = 0.0
 
     def __post_init__(self):
@@ -184,8 +150,6 @@ class ThorOptions:
         normalise("use_nesterov", check_bool(self.use_nesterov, "use_nesterov", _OWNER))
         normalise("enable_clip_grad", check_bool(self.enable_clip_grad, "enable_clip_grad",
                                                  _OWNER))
-        normalise("precondition_inputs", check_bool(self.precondition_inputs,
-                                                    "precondition_inputs", _OWNER))
         _check_cautious(self.cautious)
         normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
         normalise("split_indices", _check_split_indices(self.split_indices))
@@ -193,34 +157,47 @@ class ThorOptions:
             normalise("block_size", check_int(self.block_size, "block_size", _OWNER,
                                               min_value=1))
         check_filter(self.decay_filter, "decay_filter", _OWNER)
-        _check_choice(self.damping_mode, "damping_mode", _DAMPING_MODES)
-        decay, statistics_frequency = _check_statistics(
-            self.statistics_decay, self.statistics_frequency, self.frequency)
-        normalise("statistics_decay", decay)
-        normalise("statistics_frequency", statistics_frequency)
-        _check_choice(self.fisher, "fisher", _FISHERS)
-        _check_choice(self.weight_sharing, "weight_sharing", _WEIGHT_SHARINGS)
-        _check_choice(self.graft, "graft", _GRAFTS)
-        _check_choice(self.preconditioner, "preconditioner", _PRECONDITIONERS)
+        check_choice(self.damping_mode, "damping_mode", _OWNER, _DAMPING_MODES)
+        if self.statistics_decay is not None:
+            normalise("statistics_decay", check_number_range(
+                check_float(self.statistics_decay, "statistics_decay", _OWNER),
+                "statistics_decay", _OWNER, low=0.0, high=1.0, high_inclusive=False))
+        check_choice(self.fisher, "fisher", _OWNER, _FISHERS)
+        check_choice(self.graft, "graft", _OWNER, _GRAFTS)
+        check_choice(self.preconditioner, "preconditioner", _OWNER, tuple(PRECONDITIONERS))
         normalise("eigenbasis_exponent", _check_exponent(self.eigenbasis_exponent))
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
-        normalise("trace_thresholds", _check_trace_thresholds(self.trace_thresholds))
         normalise("seed", _check_seed(self.seed, self.fisher))
-        normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
+        experimental = Experimental.of(self.experimental)
+        normalise("experimental", experimental)
+        _check_statistics_frequency(experimental.statistics_frequency, self.statistics_decay,
+                                    self.frequency)
+        if experimental.pi_damping and self.damping_mode != "sqrt":
+            raise ValueError(f"For '{_OWNER}', 'pi_damping' splits damping_mode='sqrt' by the "
+                             f"factors' traces, but got damping_mode={self.damping_mode!r}.")
+        if self.damping is not None:
+            normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
+        elif self.uses_damping:
+            raise ValueError(
+                f"For '{_OWNER}', the 'damping' is needed: {self._damping_reader()} reads it; "
+                f"give it, e.g. damping=0.1, damping_mode='relative'.")
 
-    def exponent_of(self, kind):
-        """The exponent of the rotated second moment for a layer of block ``kind``."""
-        exponent = self.eigenbasis_exponent
-        if isinstance(exponent, dict):
-            return exponent.get(kind, ADAM_EXPONENT)
-        return ADAM_EXPONENT if exponent is None else exponent
+    @property
+    def statistics_frequency(self):
+        """Steps between statistics captures: the experimental option where given, else 1
+        with a decay and ``frequency`` without."""
+        given = self.experimental.statistics_frequency
+        if given is not None:
+            return given
+        return 1 if self.statistics_decay is not None else self.frequency
 
     @property
     def damps_factors(self):
         """Whether the factors' damping is read: by the inverses, or by the trace rule's
         damped trace (eigenvectors do not depend on it)."""
-        return self.preconditioner == "inverse" or self.trace_thresholds is not None
+        return (PRECONDITIONERS[self.preconditioner].damps_factors
+                or self.experimental.trace_thresholds is not None)
 
     @property
     def uses_damping(self):
@@ -228,13 +205,20 @@ class ThorOptions:
         (which Adam's step replaces with ``graft``)."""
         return self.damps_factors or self.graft is None
 
+    def _damping_reader(self):
+        if PRECONDITIONERS[self.preconditioner].damps_factors:
+            return f"preconditioner={self.preconditioner!r}"
+        if self.graft is None:
+            return "the LayerNorm rule (graft=None)"
+        return "the trace rule (trace_thresholds)"
+
     def get_config(self):
         """The options as the optimizer's config writes them (``weight_decay`` is Keras')."""
         config = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
                   if field.name != "weight_decay"}
         config.update(
-            damping=serialize_step_value(self.damping, "the 'damping'", _OWNER),
+            damping=(None if self.damping is None
+                     else serialize_step_value(self.damping, "the 'damping'", _OWNER)),
             decay_filter=serialize_filter(self.decay_filter, "decay_filter", _OWNER),
-            trace_thresholds=(None if self.trace_thresholds is None
-                              else list(self.trace_thresholds)))
+            experimental=self.experimental.get_config())
         return config

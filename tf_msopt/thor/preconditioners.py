@@ -1,0 +1,166 @@
+"""THOR's preconditioners: what a factored layer's kernel gradient becomes.
+
+A preconditioner owns its part of each layer's curvature state (created by :meth:`build` on
+the layer's :class:`~tf_msopt.thor.curvature_estimator.LayerCurvature`), recomputes it from
+the layer's factors on refresh steps (:meth:`refresh`) and turns a gradient into a step
+(:meth:`step`). ``preconditioner="inverse"`` is MindSpore's, ``"eigenbasis"`` the
+default's; another is one more class in :data:`PRECONDITIONERS`.
+"""
+import tensorflow as tf
+
+from tf_msopt.thor.block_diagonal import robust_eigenvectors, robust_inverses
+from tf_msopt.thor.curvature_base import Preconditioning
+from tf_msopt.thor.grafting import adam_step, second_moment
+
+__all__ = ["ADAM_EXPONENT", "EigenbasisPreconditioner", "InversePreconditioner",
+           "PRECONDITIONERS"]
+
+#: The exponent of Adam's second moment in an eigenbasis where none is given (SOAP's).
+ADAM_EXPONENT = 0.5
+#: With an exponent other than Adam's, the rotated second moment is damped by this fraction of
+#: its mean: a direction the gradients have not reached takes no huge step.
+EIGENBASIS_DAMPING = 1e-2
+
+
+def _identity_blocks(shape, dtype=None):
+    if len(shape) == 1:
+        return tf.ones(shape, dtype)
+    return tf.eye(shape[-1], batch_shape=[shape[0]], dtype=dtype)
+
+
+class InversePreconditioner:
+    """MindSpore's: ``A_inv g G_inv`` with the inverses of the damped factors (``a_inverse``,
+    ``g_inverse``; without ``precondition_inputs``, ``g G_inv`` and ``a_inverse`` stays the
+    identity). A block that cannot be inverted is retried with more damping, then keeps its
+    previous inverse (:func:`~tf_msopt.thor.block_diagonal.robust_inverses`)."""
+
+    name = "inverse"
+    damps_factors = True     # the inverses read the damping
+
+    def __init__(self, block_size, precondition_inputs=True):
+        self.block_size, self.precondition_inputs = block_size, precondition_inputs
+
+    @classmethod
+    def from_options(cls, options):
+        """The preconditioner a :class:`~tf_msopt.thor.options.ThorOptions` describes."""
+        return cls(options.block_size, options.experimental.precondition_inputs)
+
+    def build(self, layer, add_variable):
+        """Creates ``layer``'s inverses with ``add_variable(shape, initializer, name)``."""
+        a_shape, g_shape = layer.block.factor_shapes(self.block_size)
+        name = layer.block.layer
+        layer.a_inverse = add_variable(a_shape, _identity_blocks, f"{name}_a_inverse")
+        layer.g_inverse = add_variable(g_shape, _identity_blocks, f"{name}_g_inverse")
+
+    def refresh(self, refreshes, assign):
+        """New inverses for ``refreshes`` (``(layer, a, g, use, damping)``; blocks of one size
+        inverted in one call), assigned where ``use`` holds. Returns the counts of blocks
+        retried and kept."""
+        inputs = self.precondition_inputs
+        factors, use = [], []
+        for layer, a, g, used, damping in refreshes:
+            previous = tf.convert_to_tensor(layer.a_inverse), tf.convert_to_tensor(
+                layer.g_inverse)
+            a_factor, g_factor = layer.block.inversion_factors(a, g, damping, previous,
+                                                               self.block_size)
+            # Without the input side, A's inverse is never read: G's alone is computed.
+            factors += [a_factor, g_factor] if inputs else [g_factor]
+            use += [used] * (2 if inputs else 1)
+        inverses, retried, kept = robust_inverses(factors, use)
+        inverses = iter(inverses)
+        for layer, *_ in refreshes:
+            if inputs:
+                assign(layer.a_inverse, next(inverses))
+            assign(layer.g_inverse, next(inverses))
+        return retried, kept
+
+    def step(self, layer, gradient, step, assign):
+        a_inverse = tf.convert_to_tensor(layer.a_inverse) if self.precondition_inputs else None
+        return layer.block.precondition(gradient, Preconditioning(
+            a_inverse=a_inverse, g_inverse=tf.convert_to_tensor(layer.g_inverse)),
+            self.block_size)
+
+
+class EigenbasisPreconditioner:
+    """The default's: Adam run in the eigenbases of the factors (SOAP), ``Q_A (r /
+    (sqrt(v_hat) + eps)) Q_G^T`` with ``r = Q_A^T g Q_G`` and ``v`` Adam's second moment of
+    ``r`` (``beta2`` 0.999, ``eps`` 1e-7); ``a_eigenvectors`` (none for a diagonal ``A`` or
+    without ``precondition_inputs``), ``g_eigenvectors``, ``rotated_second_moment``.
+    Eigenvectors do not depend on the damping.
+
+    ``exponent``: None (1/2 for every kernel), a number in (0, 1], or a dict of layer kinds to
+    numbers (1/2 for the kinds it leaves out). Other than 1/2 the step is ``r / (v_hat + 1e-2
+    mean(v_hat))^e``, the mean over the layer's entries; 1 is EKFAC's natural gradient in the
+    eigenbasis.
+    """
+
+    name = "eigenbasis"
+    damps_factors = False
+
+    def __init__(self, block_size, precondition_inputs=True, exponent=None):
+        self.block_size, self.precondition_inputs = block_size, precondition_inputs
+        self.exponent = exponent
+
+    @classmethod
+    def from_options(cls, options):
+        return cls(options.block_size, options.experimental.precondition_inputs,
+                   options.eigenbasis_exponent)
+
+    def exponent_of(self, kind):
+        """The exponent of the rotated second moment for a layer of block ``kind``."""
+        if isinstance(self.exponent, dict):
+            return self.exponent.get(kind, ADAM_EXPONENT)
+        return ADAM_EXPONENT if self.exponent is None else self.exponent
+
+    def build(self, layer, add_variable):
+        block, name = layer.block, layer.block.layer
+        a_shape, g_shape = block.factor_shapes(self.block_size)
+        layer.g_eigenvectors = add_variable(g_shape, _identity_blocks, f"{name}_g_eigenvectors")
+        layer.rotated_second_moment = add_variable((block.kernel_elements,), "zeros",
+                                                   f"{name}_rotated_second_moment")
+        if self.precondition_inputs and len(a_shape) == 3:
+            layer.a_eigenvectors = add_variable(a_shape, _identity_blocks,
+                                                f"{name}_a_eigenvectors")
+
+    def refresh(self, refreshes, assign):
+        """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),
+        assigned where ``use`` holds. Returns None (no block is retried) and the count of
+        blocks kept."""
+        kept = []
+        for layer, a, g, used, _ in refreshes:
+            block = layer.block
+            sides = [(layer.g_eigenvectors, g, block.g_layout(self.block_size))]
+            if layer.a_eigenvectors is not None:
+                sides.append((layer.a_eigenvectors, a, block.a_layout(self.block_size)))
+            for variable, statistics, layout in sides:
+                vectors, failed = robust_eigenvectors(statistics, layout,
+                                                      tf.convert_to_tensor(variable), used)
+                assign(variable, vectors)
+                kept.append(failed)
+        return None, tf.add_n(kept)
+
+    def step(self, layer, gradient, step, assign):
+        """Adam's step without its first moment on ``gradient`` rotated into the eigenbases,
+        ``Q_A^T g Q_G``, rotated back."""
+        a = None if layer.a_eigenvectors is None else tf.convert_to_tensor(layer.a_eigenvectors)
+        g = tf.convert_to_tensor(layer.g_eigenvectors)
+        rotated = layer.block.precondition(gradient, Preconditioning(
+            a_inverse=None if a is None else tf.linalg.matrix_transpose(a), g_inverse=g),
+            self.block_size)
+        scaled = self._scaled(layer.rotated_second_moment, rotated, step, assign,
+                              self.exponent_of(layer.block.kind))
+        return layer.block.precondition(scaled, Preconditioning(
+            a_inverse=a, g_inverse=tf.linalg.matrix_transpose(g)), self.block_size)
+
+    @staticmethod
+    def _scaled(moment, rotated, step, assign, exponent):
+        """Adam's ``r / (sqrt(v_hat) + eps)`` at exponent 1/2, else ``r / (v_hat + 1e-2
+        mean(v_hat))^e``."""
+        if exponent == ADAM_EXPONENT:
+            return adam_step(moment, rotated, step, assign)
+        estimate = second_moment(moment, rotated, step, assign)
+        return tf.math.divide_no_nan(rotated, tf.pow(
+            estimate + EIGENBASIS_DAMPING * tf.reduce_mean(estimate), exponent))
+
+
+PRECONDITIONERS = {cls.name: cls for cls in (InversePreconditioner, EigenbasisPreconditioner)}

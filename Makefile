@@ -12,7 +12,7 @@ export TF_CPP_MIN_LOG_LEVEL ?= 2
 # README's `pip install .` and the CUDA fallback build rebuild the same sources).
 export TF_MSOPT_BUILD_CACHE ?= $(CURDIR)/$(VENV)/build-cache
 
-.PHONY: demo test bench docs venv clean
+.PHONY: demo test bench docs venv wheel clean
 
 venv: $(STAMP)
 
@@ -22,7 +22,7 @@ venv: $(STAMP)
 # against the TensorFlow now in the venv.
 $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=68" wheel
+	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=70.1" wheel
 	TF_MSOPT_BUILD_CUSTOM_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
@@ -56,6 +56,16 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/thor_step.py
 	$(BIN)/python benchmarks/default_step.py
 	$(BIN)/python benchmarks/thor_inverse.py
+
+# A binary wheel with the compiled ops inside and an sdist, into dist/. auditwheel tags the
+# wheel with the oldest manylinux policy the library's symbol versions allow (TensorFlow's
+# own libraries stay outside it, as they come with TensorFlow).
+wheel: $(STAMP)
+	rm -rf dist build/wheel
+	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir build/wheel .
+	$(BIN)/python -m auditwheel repair --exclude libtensorflow_framework.so.2 \
+		--wheel-dir dist build/wheel/*.whl
+	cp build/wheel/*.tar.gz dist/
 
 # The user guide as a site, with the API reference generated from the docstrings.
 docs: $(STAMP)

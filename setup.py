@@ -15,6 +15,10 @@ GPU kernels: with ``TF_MSOPT_BUILD_CUDA=1`` and ``nvcc`` on the PATH (or at
 newer) and linked into the same library, whose sources then see
 ``TF_MSOPT_WITH_CUDA``. If any CUDA step fails the CPU-only library is built.
 
+The library carries the version of the TensorFlow it was compiled against
+(``custom_ops/build_info.cc``); the loader reads it from the file and does not load a
+library of another TensorFlow release, whose ABI differs.
+
 ``TF_MSOPT_BUILD_CACHE=DIR`` keeps each compiled C++ object in ``DIR`` under a hash of
 its command, source and the ``custom_ops`` headers, and reuses it when they have not
 changed (``make`` sets it to a folder of its virtualenv, so a rebuild against the same
@@ -31,6 +35,11 @@ import tempfile
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+
+try:
+    from setuptools.command.bdist_wheel import bdist_wheel
+except ImportError:   # setuptools < 70.1, in a build without isolation: default wheel tags
+    bdist_wheel = None
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCES = sorted(glob.glob(os.path.join("custom_ops", "*.cc")))
@@ -113,7 +122,8 @@ class TensorFlowBuildExt(build_ext):
         os.makedirs(os.path.dirname(out), exist_ok=True)
 
         compile_flags = ["-std=c++17", "-fPIC", "-O3", "-Wno-deprecated-declarations",
-                         "-Wno-interference-size", *tf.sysconfig.get_compile_flags()]
+                         "-Wno-interference-size", *tf.sysconfig.get_compile_flags(),
+                         f'-DTF_MSOPT_TENSORFLOW_VERSION="{tf.__version__}"']
 
         def build(build_dir, objects=(), flags=()):
             # One g++ per source, run together (each takes ~10 s of TensorFlow headers), then
@@ -148,11 +158,21 @@ class TensorFlowBuildExt(build_ext):
         return os.path.join(*ext_name.split(".")) + ".so"
 
 
+class OpLibraryWheel(bdist_wheel or object):
+    """A wheel for every Python 3 the pinned TensorFlow supports: the op library is loaded by
+    ``tf.load_op_library`` and links TensorFlow's framework library, not Python's."""
+
+    def get_tag(self):
+        _, _, platform = super().get_tag()
+        return "py3", "none", platform
+
+
 build_ops = SOURCES and os.environ.get("TF_MSOPT_BUILD_CUSTOM_OPS", "1") != "0"
 setup(
     # optional: a skipped or failed build (TensorFlow not importable, as in a build without
     # isolation before TensorFlow is installed; no compiler) leaves no library, and setuptools
     # must not try to copy one.
     ext_modules=[Extension("tf_msopt.ops._msopt_ops", SOURCES, optional=True)] if build_ops else [],
-    cmdclass={"build_ext": TensorFlowBuildExt},
+    cmdclass={"build_ext": TensorFlowBuildExt,
+              **({"bdist_wheel": OpLibraryWheel} if bdist_wheel else {})},
 )

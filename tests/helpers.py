@@ -2,9 +2,12 @@
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
+import venv
 
 import keras
 import numpy as np
@@ -123,3 +126,23 @@ def curvature_variables(optimizer, *fields):
     every factored layer that has them, in layer order."""
     return [getattr(state, field) for field in fields for state in optimizer.curvature.values()
             if getattr(state, field) is not None]
+
+
+def copy_checkout(dest):
+    """The files a fresh clone has: no venv, no build outputs, no compiled library."""
+    shutil.copytree(REPO_ROOT, dest, ignore=shutil.ignore_patterns(
+        ".git", ".venv", "build", "dist", "site", "demo_output", "*.egg-info", "*.so",
+        "__pycache__", ".pytest_cache"))
+
+
+def venv_over_this_one(env_dir):
+    """A fresh virtualenv at ``env_dir`` whose ``.pth`` file gives it this interpreter's
+    site-packages (tensorflow, keras, numpy), so installing the package there fetches nothing.
+    Returns its own site-packages."""
+    venv.create(env_dir, with_pip=True)
+    site = subprocess.run([os.path.join(env_dir, "bin", "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    with open(os.path.join(site, "_dev_site_packages.pth"), "w") as f:
+        f.write(sysconfig.get_paths()["purelib"] + "\n")
+    return site

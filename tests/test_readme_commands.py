@@ -21,22 +21,27 @@ The runners:
   test_demo.py covers every optimizer and the comparison's numbers;
 - ``make test`` is not run from inside the suite it starts: CI's ``.ci/run`` runs
   it, which is checked here;
+- ``make wheel`` runs the Makefile's recipe with this interpreter, as ``make demo`` does;
+  the wheel's install runs as written in a fresh virtualenv whose ``PATH`` reaches no
+  compiler, where the status check and a THOR step through the op follow;
 - ``pip install .`` and the status check after it run as written in a fresh
   virtualenv (its ``bin`` first on ``PATH``) over a copy of the checkout without
   build outputs; a ``.pth`` file gives that virtualenv this interpreter's
   site-packages, so the runtime dependencies are already satisfied. The isolated
   build still fetches TensorFlow, as a user's ``pip install .`` does.
 """
+import glob
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-import sysconfig
-import venv
+import zipfile
+from importlib import metadata
 
 import pytest
+from helpers import copy_checkout, venv_over_this_one
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.join("docs", p)
@@ -48,11 +53,15 @@ DISABLE_ENV = "TF_MSOPT_DISABLE_CUSTOM_OPS"
 
 INSTALL = "pip install ."
 STATUS_CHECK = "tf-msopt status"
+MAKE_WHEEL = "make wheel"
+INSTALL_WHEEL = "pip install dist/tf_msopt-*.whl"
 RUNNERS = {
     "make demo": "demo",
     "make test": "ci",
     INSTALL: "install",
     STATUS_CHECK: "install",
+    MAKE_WHEEL: "wheel",
+    INSTALL_WHEEL: "wheel",
 }
 
 
@@ -180,13 +189,6 @@ def test_make_demo_runs_the_comparison_and_writes_its_outputs(tmp_path):
         "mlp": ["Adam", "THOR"], "cnn": ["Adam", "THOR"]}
 
 
-def _copy_checkout(dest):
-    """The files a fresh clone has: no venv, no build outputs, no compiled library."""
-    shutil.copytree(REPO_ROOT, dest, ignore=shutil.ignore_patterns(
-        ".git", ".venv", "build", "dist", "site", "demo_output", "*.egg-info", "*.so",
-        "__pycache__", ".pytest_cache"))
-
-
 def test_isolated_build_requires_the_tensorflow_the_package_runs_with():
     """A plain ``pip install .`` builds in isolation: pip installs the build requirements,
     which must include the TensorFlow range the package itself requires."""
@@ -210,15 +212,10 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     README's ``--no-build-isolation``): an isolated build would first install a second
     TensorFlow into pip's build environment (about 45 s), which tests pip, not this package;
     that the isolated build has TensorFlow to build against is checked from pyproject.toml."""
-    assert commands_of("install") == [INSTALL, STATUS_CHECK]
+    assert set(commands_of("install")) == {INSTALL, STATUS_CHECK}
     checkout, env_dir = tmp_path / "checkout", tmp_path / "venv"
-    _copy_checkout(checkout)
-    venv.create(env_dir, with_pip=True)
-    site = subprocess.run([str(env_dir / "bin" / "python"), "-c",
-                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    with open(os.path.join(site, "_dev_site_packages.pth"), "w") as f:
-        f.write(sysconfig.get_paths()["purelib"] + "\n")   # tensorflow, keras, numpy
+    copy_checkout(checkout)
+    site = venv_over_this_one(env_dir)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
     # pip reads PIP_NO_BUILD_ISOLATION inverted: "0" means --no-build-isolation.
     env.update(PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
@@ -243,4 +240,92 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     if os.environ.get(DISABLE_ENV, "").strip() not in ("", "0"):
         assert status == f"pure TensorFlow ({DISABLE_ENV} is set)", outputs[1]
     else:
-        assert status == f"custom ops loaded from {library}", outputs[1]
+        assert status.startswith(f"custom ops loaded from {library} (built against "
+                                 f"TensorFlow {metadata.version('tensorflow')})"), outputs[1]
+
+
+#: One THOR step of MindSpore's form (its inverses through the op when it is loaded).
+THOR_STEP = """
+import numpy as np, keras, tf_msopt as mso
+from tf_msopt.ops.inverse import inverse_backend
+model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
+model.compile(optimizer=mso.thor(model, 0.1, 0.3, 0.9, frequency=2), loss="mse")
+model.train_on_batch(np.ones((8, 6), "float32"), np.zeros((8, 2), "float32"))
+assert all(np.isfinite(w).all() for w in model.get_weights())
+print(inverse_backend())
+"""
+COMPILERS = ("g++", "gcc", "c++", "cc", "nvcc")
+
+
+def _run(command, env, cwd):
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=600)
+    log = f"$ {command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+    assert result.returncode == 0, log
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.once
+def test_wheel_runs_its_ops_without_a_compiler_and_the_sdist_builds(tmp_path):
+    """``make wheel`` and the wheel's install: the ops load where no compiler is reachable, a
+    damaged library gives one warning and the pure-TF path, and the sdist builds the library
+    as ``pip install .`` does."""
+    assert commands_of("wheel") == [MAKE_WHEEL, INSTALL_WHEEL]
+    checkout, env_dir = tmp_path / "checkout", tmp_path / "venv"
+    copy_checkout(checkout)
+    stamp = tmp_path / "installed"
+    stamp.touch()   # newer than the Makefile's prerequisites: make uses this interpreter
+    build_env = {k: v for k, v in os.environ.items()
+                 if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "PYTHONPATH")}
+    # The objects this checkout's own build compiled, if any (same sources, same commands).
+    build_env.setdefault("TF_MSOPT_BUILD_CACHE",
+                         os.path.join(REPO_ROOT, ".venv", "build-cache"))
+    _run([*MAKE_WHEEL.split(), f"BIN={os.path.dirname(sys.executable)}", f"STAMP={stamp}"],
+         build_env, cwd=checkout)
+    wheel, = glob.glob(str(checkout / "dist" / "*.whl"))
+    sdist, = glob.glob(str(checkout / "dist" / "*.tar.gz"))
+    assert os.path.basename(wheel).startswith(
+        f"tf_msopt-{metadata.version('tf_msopt')}-py3-none-manylinux_2_"), wheel
+    with zipfile.ZipFile(wheel) as archive:
+        assert "tf_msopt/ops/_msopt_ops.so" in archive.namelist()
+
+    # A virtualenv whose PATH reaches no compiler; TensorFlow comes from this one's packages.
+    site = venv_over_this_one(env_dir)
+    bare = {k: v for k, v in build_env.items()
+            if k not in ("CC", "CXX", "CUDA_HOME", "CUDA_PATH", "TF_MSOPT_BUILD_CACHE",
+                         "TF_MSOPT_DISABLE_CUSTOM_OPS")}
+    bare.update(PATH=str(env_dir / "bin"), VIRTUAL_ENV=str(env_dir), TF_CPP_MIN_LOG_LEVEL="2")
+    assert not any(shutil.which(tool, path=bare["PATH"]) for tool in COMPILERS)
+    python = str(env_dir / "bin" / "python")
+
+    def run(command, env=bare):
+        # Outside any checkout: `python -c` puts its working directory first on sys.path.
+        return _run(command, env, cwd=tmp_path)
+
+    # The README's command, dependencies from the .pth (PIP_NO_INDEX: nothing is fetched).
+    _run(["/bin/bash", "-c", INSTALL_WHEEL], dict(bare, PIP_NO_INDEX="1"), cwd=checkout)
+    library = os.path.join(site, "tf_msopt", "ops", "_msopt_ops.so")
+    status = run(["tf-msopt", "status"]).stdout.strip().splitlines()[-1]
+    assert status == (f"custom ops loaded from {library} (built against TensorFlow "
+                      f"{metadata.version('tensorflow')})"), status
+    assert run([python, "-c", THOR_STEP]).stdout.split()[-2:] == ["op", "(CPU)"]
+
+    # A broken library: one warning saying why and how to rebuild, and the pure-TF path.
+    with open(library, "wb") as f:
+        f.write(b"\x7fELF, damaged")
+    broken = run(["tf-msopt", "status"])
+    assert broken.stdout.strip().splitlines()[-1].startswith(
+        "pure TensorFlow (custom ops not loaded: NotFoundError"), broken.stdout
+    assert broken.stderr.count("RuntimeWarning: tf_msopt: the compiled custom ops are not "
+                               "used") == 1, broken.stderr
+    step = run([python, "-c", THOR_STEP])
+    assert step.stdout.strip().endswith("tf.linalg (custom op not loaded)"), step.stdout
+
+    # The sdist builds the library as `pip install .` does (a compiler on the PATH again).
+    run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
+         "--force-reinstall", sdist],
+        dict(bare, PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
+             TF_MSOPT_BUILD_CACHE=build_env["TF_MSOPT_BUILD_CACHE"]))
+    assert run(["tf-msopt", "status"]).stdout.strip().splitlines()[-1].startswith(
+        f"custom ops loaded from {library}")

@@ -112,32 +112,32 @@ def check_keras_arguments(kwargs):
 
 @dataclasses.dataclass(frozen=True)
 class ThorOptions:
-    """THOR's arguments other than the learning rate (see :class:`tf_msopt.THOR`), checked
-    and normalised on creation: a bad argument raises MindSpore's error type naming it.
+    """THOR's arguments other than the learning rate (see :class:`tf_msopt.THOR`, whose
+    signature holds their defaults), checked and normalised on creation: a bad argument raises MindSpore's error type naming it.
     ``damping`` takes the forms of a learning rate and becomes a float or a schedule (or
     stays None where no step reads it)."""
 
     damping: object
     momentum: float
-    loss_scale: float = 1.0
-    batch_size: int = 32
-    use_nesterov: bool = False
-    decay_filter: object = None
-    split_indices: object = None
-    enable_clip_grad: bool = False
-    frequency: int = 100
-    block_size: object = 128
-    damping_mode: str = "sqrt"
-    statistics_decay: object = None
-    fisher: str = "empirical"
-    kl_clip: object = None
-    seed: object = None
-    graft: object = None
-    preconditioner: str = "inverse"
-    eigenbasis_exponent: object = None
-    cautious: object = False
-    experimental: Experimental = Experimental()
-    weight_decay: float = 0.0
+    loss_scale: float
+    batch_size: int
+    use_nesterov: bool
+    decay_filter: object
+    split_indices: object
+    enable_clip_grad: bool
+    frequency: int
+    block_size: object
+    damping_mode: str
+    statistics_decay: object
+    fisher: str
+    kl_clip: object
+    seed: object
+    graft: object
+    preconditioner: str
+    eigenbasis_exponent: object
+    cautious: object
+    experimental: Experimental
+    weight_decay: float
 
     def __post_init__(self):
         def normalise(name, value):

@@ -30,23 +30,22 @@ $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 demo: $(STAMP)
 	$(BIN)/python -m tf_msopt compare $(DEMO_ARGS)
 
-# The suite runs twice: with the compiled ops, then with the kill switch, which
-# proves every feature works on the pure-TensorFlow path. The second pass runs only the
-# tests marked `ops_path` (code whose path differs without the custom ops and that does
-# not switch the path itself: the contract cases of the sign optimizers, LARS(SGD),
-# AdamOffload and THOR, and the sign modules; see tests/conftest.py); tests marked `once` (the
-# install, the docs build) never run there. Then the tests marked `cpu_arithmetic` (float32
-# results whose last bits depend on the CPU's instruction set) run as a CPU without AVX-512
-# computes them: oneDNN capped at AVX2, then oneDNN's kernels off as well (TensorFlow's Eigen
-# kernels, which sum in another order again); see docs/architecture.md (where the capped
-# pass skips the `half_precision` tests, and why). pytest exits 5 when it collected no test;
-# any non-zero exit fails `make test`.
+# The suite runs with the compiled ops, then twice more as a CPU without AVX-512 computes (see
+# docs/architecture.md). Second: the kill switch, which proves every feature works on the
+# pure-TensorFlow path, over the tests marked `ops_path` (code whose path differs without the
+# custom ops and that does not switch the path itself: the contract cases of the sign
+# optimizers, LARS(SGD), AdamOffload and THOR, and the sign modules; see tests/conftest.py)
+# and those marked `cpu_arithmetic` (float32 results whose last bits depend on the CPU's
+# instruction set), with oneDNN capped at AVX2 and its kernels off (TensorFlow's Eigen
+# kernels, which sum in another order). Third: the `cpu_arithmetic` tests with the compiled
+# ops and oneDNN capped at AVX2 (where the `half_precision` tests are skipped, and why, is
+# in docs/architecture.md). Tests marked `once` (the install, the docs build) run in the first
+# pass only. pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
-	TF_MSOPT_DISABLE_CUSTOM_OPS=1 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not once"
+	TF_MSOPT_DISABLE_CUSTOM_OPS=1 ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \
+		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "(ops_path or cpu_arithmetic) and not once"
 	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
-	ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \
-		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/roofline.py

@@ -19,8 +19,8 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 #: Modules whose tests run code that differs without the compiled custom ops and do not
 #: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*,
 #: test_ops_lars and test_ops_loader run both paths in one pass). ``make test``'s
-#: kill-switch pass runs only tests marked ``ops_path``: these modules, and the contract
-#: cases marked in ``tests/contract``. THOR's only compiled op is the inverse: its NumPy
+#: kill-switch pass runs the tests marked ``ops_path`` (these modules, and the contract
+#: cases marked in ``tests/contract``) and those marked ``cpu_arithmetic``. THOR's only compiled op is the inverse: its NumPy
 #: reference tests run both inverse back-ends in one pass and its contract case (training,
 #: resume, mirrored, XLA) runs in both passes, so its other modules run once.
 _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})
@@ -28,9 +28,19 @@ _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})
 #: Tests whose float32 results depend on the CPU's instruction set: the NumPy-reference and
 #: golden-value checks, the files written on another machine, the contract's equivalences
 #: and the short trainings against a level. ``make test`` runs them again with oneDNN capped
-#: at AVX2 and with oneDNN off, as a machine without AVX-512 computes them.
+#: at AVX2, with and without its kernels (and the compiled ops), as a machine without
+#: AVX-512 computes them.
 _CPU_ARITHMETIC_PATHS = ("contract/", "test_thor_numerics.py", "test_thor_legacy_files.py",
                          "test_thor_training.py")
+#: The contract tests that compute nothing, or compare two runs of the same kernels in one
+#: process (exact on any CPU): not rerun under the caps.
+_SAME_ON_EVERY_CPU = frozenset({
+    "test_config_round_trips_and_keras_get", "test_default_instances_get_distinct_names",
+    "test_set_weights_refuses_a_wrong_number_of_values",
+    "test_set_weights_on_an_unbuilt_optimizer_fails_as_keras_does",
+    "test_empty_gradient_list_is_a_no_op", "test_checkpoint_restores_and_resumes_exactly",
+    "test_set_weights_transfers_the_whole_state",
+    "test_plain_tf_variables_train_like_keras_variables"})
 
 
 #: oneDNN caps (``ONEDNN_MAX_CPU_ISA``) that keep the instructions of float16 and bfloat16.
@@ -64,7 +74,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.module.__name__ in _OPS_PATH_MODULES:
             item.add_marker(pytest.mark.ops_path)
-        if os.path.relpath(str(item.path), tests).startswith(_CPU_ARITHMETIC_PATHS):
+        if (os.path.relpath(str(item.path), tests).startswith(_CPU_ARITHMETIC_PATHS)
+                and item.originalname not in _SAME_ON_EVERY_CPU):
             item.add_marker(pytest.mark.cpu_arithmetic)
         if half_precision_crash and "half_precision" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=half_precision_crash))

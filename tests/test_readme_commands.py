@@ -244,10 +244,12 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
                                  f"TensorFlow {metadata.version('tensorflow')})"), outputs[1]
 
 
-#: One THOR step of MindSpore's form (its inverses through the op when it is loaded).
+#: The op status, then one THOR step of MindSpore's form (its inverses through the op when it
+#: is loaded) and the back-end that step used.
 THOR_STEP = """
 import numpy as np, keras, tf_msopt as mso
 from tf_msopt.ops.inverse import inverse_backend
+print(mso.ops.custom_ops_status())
 model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(4), keras.layers.Dense(2)])
 model.compile(optimizer=mso.thor(model, 0.1, 0.3, 0.9, frequency=2), loss="mse")
 model.train_on_batch(np.ones((8, 6), "float32"), np.zeros((8, 2), "float32"))
@@ -309,18 +311,17 @@ def test_wheel_runs_its_ops_without_a_compiler_and_the_sdist_builds(tmp_path):
     status = run(["tf-msopt", "status"]).stdout.strip().splitlines()[-1]
     assert status == (f"custom ops loaded from {library} (built against TensorFlow "
                       f"{metadata.version('tensorflow')})"), status
-    assert run([python, "-c", THOR_STEP]).stdout.split()[-2:] == ["op", "(CPU)"]
+    assert run([python, "-c", THOR_STEP]).stdout.strip().endswith("custom op (CPU)")
 
     # A broken library: one warning saying why and how to rebuild, and the pure-TF path.
     with open(library, "wb") as f:
         f.write(b"\x7fELF, damaged")
-    broken = run(["tf-msopt", "status"])
-    assert broken.stdout.strip().splitlines()[-1].startswith(
-        "pure TensorFlow (custom ops not loaded: NotFoundError"), broken.stdout
+    broken = run([python, "-c", THOR_STEP])
+    status, backend = broken.stdout.strip().splitlines()[-2:]
+    assert status.startswith("pure TensorFlow (custom ops not loaded: NotFoundError"), status
+    assert backend == "tf.linalg (custom op not loaded)", broken.stdout
     assert broken.stderr.count("RuntimeWarning: tf_msopt: the compiled custom ops are not "
                                "used") == 1, broken.stderr
-    step = run([python, "-c", THOR_STEP])
-    assert step.stdout.strip().endswith("tf.linalg (custom op not loaded)"), step.stdout
 
     # The sdist builds the library as `pip install .` does (a compiler on the PATH again).
     run([python, "-m", "pip", "install", "--no-deps", "--no-build-isolation",

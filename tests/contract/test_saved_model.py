@@ -9,8 +9,8 @@
   loads in a fresh process after ``import tf_msopt`` alone, and trains on as the in-memory
   object does.
 
-Each form runs every case in one fresh process (one TensorFlow start); both op paths run
-(the cases are marked ``ops_path``).
+Each form runs every case in one fresh process (one TensorFlow start). Both op paths run the
+training forms (marked ``ops_path``); an inference graph holds no optimizer op.
 """
 import cases as C
 import keras
@@ -21,7 +21,7 @@ from helpers import run_fresh_python
 
 import tf_msopt as mso
 
-pytestmark = [pytest.mark.slow, pytest.mark.ops_path]
+pytestmark = [pytest.mark.slow]
 
 BATCH = 8
 BEFORE, AFTER = 4, 3    # THOR (frequency 3): saved at a stale step; THOR step 6 runs loaded
@@ -133,6 +133,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.ops_path
 def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
     batches = C.batches(BEFORE + AFTER)
     after = batches[BEFORE:]
@@ -159,6 +160,7 @@ def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=name)
 
 
+@pytest.mark.ops_path
 def test_training_savedmodel_with_the_sampled_fisher(tmp_path):
     """THOR's sampled Fisher draws the same labels in the loaded step (its key is the step
     and the seed, both restored)."""

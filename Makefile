@@ -19,13 +19,11 @@ venv: $(STAMP)
 # The first install resolves the pinned dependencies without building the ops (and,
 # without build isolation, without fetching TensorFlow a second time for the isolated
 # build that a plain `pip install .` does); the second compiles the custom ops once,
-# against the TensorFlow now in the venv. --no-compile: Python compiles the modules it imports
-# when it first imports them, not TensorFlow's thousands up front (half the install's time).
+# against the TensorFlow now in the venv.
 $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=70.1" wheel
-	TF_MSOPT_BUILD_CUSTOM_OPS=0 $(BIN)/python -m pip install --quiet --no-compile \
-		--no-build-isolation -e ".[test]"
+	TF_MSOPT_BUILD_CUSTOM_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation -e ".[test]"
 	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

@@ -19,11 +19,16 @@ venv: $(STAMP)
 # The first install resolves the pinned dependencies without building the ops (and,
 # without build isolation, without fetching TensorFlow a second time for the isolated
 # build that a plain `pip install .` does); the second compiles the custom ops once,
-# against the TensorFlow now in the venv.
+# against the TensorFlow now in the venv. The dependencies are byte-compiled on every core
+# (pip compiles on one; nothing compiles them later where PYTHONDONTWRITEBYTECODE is set); as
+# pip does, a file that does not compile is left alone (the leading `-`).
 $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip "setuptools>=70.1" wheel
-	TF_MSOPT_BUILD_CUSTOM_OPS=0 $(BIN)/python -m pip install --quiet --no-build-isolation -e ".[test]"
+	TF_MSOPT_BUILD_CUSTOM_OPS=0 $(BIN)/python -m pip install --quiet --no-compile \
+		--no-build-isolation -e ".[test]"
+	-$(BIN)/python -m compileall -q -j 0 "$$($(BIN)/python -c \
+		'import sysconfig; print(sysconfig.get_paths()["purelib"])')" > /dev/null
 	$(BIN)/python -m pip install --quiet --no-build-isolation --no-deps -e .
 	touch $(STAMP)
 

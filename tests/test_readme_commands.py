@@ -205,6 +205,15 @@ def test_isolated_build_requires_the_tensorflow_the_package_runs_with():
     assert re.search(r'^build-backend = "setuptools.build_meta"$', text, re.MULTILINE)
 
 
+def _run(command, env, cwd):
+    """``command`` run to success, its output in the failure's message."""
+    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=900)
+    log = f"$ {command}\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
+    assert result.returncode == 0, log
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.once
 def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
@@ -221,13 +230,8 @@ def test_pip_install_builds_the_custom_ops_and_the_check_reports_them(tmp_path):
     env.update(PATH=f"{env_dir / 'bin'}{os.pathsep}{os.environ['PATH']}",
                VIRTUAL_ENV=str(env_dir), TF_CPP_MIN_LOG_LEVEL="2", PIP_NO_BUILD_ISOLATION="0")
 
-    outputs = []
-    for command in (INSTALL, STATUS_CHECK):
-        result = subprocess.run(["bash", "-c", command], cwd=checkout, env=env,
-                                capture_output=True, text=True, timeout=900)
-        log = f"$ {command}\n{result.stdout[-5000:]}\n{result.stderr[-5000:]}"
-        assert result.returncode == 0, log
-        outputs.append(result.stdout)
+    outputs = [_run(["bash", "-c", command], env, cwd=checkout).stdout
+               for command in (INSTALL, STATUS_CHECK)]
 
     # The runtime dependencies came from the .pth, not from a download.
     assert re.search(r"Requirement already satisfied: tensorflow\b", outputs[0]), outputs[0]
@@ -257,14 +261,6 @@ assert all(np.isfinite(w).all() for w in model.get_weights())
 print(inverse_backend())
 """
 COMPILERS = ("g++", "gcc", "c++", "cc", "nvcc")
-
-
-def _run(command, env, cwd):
-    result = subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True,
-                            timeout=600)
-    log = f"$ {command}\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
-    assert result.returncode == 0, log
-    return result
 
 
 @pytest.mark.slow

@@ -57,10 +57,6 @@ def _positive_or_one(value):
     return tf.where((value > 0) & tf.math.is_finite(value), value, 1.0)
 
 
-def _sqrt_damping(a_mean, g_mean, root_damping):
-    return root_damping, root_damping
-
-
 def _relative_damping(a_mean, g_mean, root_damping):
     return root_damping * _positive_or_one(a_mean), root_damping * _positive_or_one(g_mean)
 
@@ -88,13 +84,12 @@ class CurvatureEstimator:
     def __init__(self, blocks, options, preconditioner, is_refresh_step, assign, assign_add):
         self.blocks = tuple(block for block in blocks if block.has_factors)
         self.options = options
-        experimental = options.experimental
         self.preconditioner = preconditioner
-        self.trace_thresholds = experimental.trace_thresholds
-        self.damps_factors = self.preconditioner.damps_factors or self.trace_thresholds is not None
-        self._factor_damping = (_pi_damping if experimental.pi_damping else
-                                {"sqrt": _sqrt_damping, "relative": _relative_damping}[
-                                    options.damping_mode])
+        self.trace_thresholds = options.experimental.trace_thresholds
+        # How sqrt(lambda) is split between the factors by their mean eigenvalues; None for
+        # sqrt(lambda) on both (damping_mode="sqrt"), which needs no eigenvalues.
+        self._factor_damping = (_pi_damping if options.experimental.pi_damping else
+                                _relative_damping if options.damping_mode == "relative" else None)
         self.is_refresh_step = is_refresh_step
         self._assign = assign
         self._assign_add = lambda variable, value: assign_add(
@@ -205,7 +200,7 @@ class CurvatureEstimator:
     def _layer_damping(self, block, a, g, root_damping):
         """``(d_A, d_G)``: ``sqrt(lambda)`` on both (``damping_mode="sqrt"``), in units of each
         factor's mean eigenvalue (``"relative"``) or split by them (``pi_damping``)."""
-        if self._factor_damping is _sqrt_damping:
+        if self._factor_damping is None:
             return root_damping, root_damping
         a_mean, g_mean = block.mean_eigenvalues(a, g, self.options.block_size)
         return self._factor_damping(a_mean, g_mean, root_damping)
@@ -215,7 +210,7 @@ class CurvatureEstimator:
         ``observed`` and the trace rule (if any) say so."""
         fresh = [(layer, a, g, observed,
                   self._layer_damping(layer.block, a, g, root_damping)
-                  if self.damps_factors else None)
+                  if self.options.damps_factors else None)
                  for layer, a, g, observed in fresh]
         if self.trace_thresholds is None:
             self._refresh_layers(fresh)

@@ -170,7 +170,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         self._kl_clip = None
         if self.options.kl_clip is not None:
             self.kl_factor = self.add_variable((), initializer="ones", name="kl_factor")
-            self._kl_clip = KLClip(self.options.kl_clip, self.kl_factor, self.assign)
+            self._kl_clip = KLClip(self.options.kl_clip, self.assign)
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries
         self.failed_inverses = self._estimator.failed_inverses
@@ -261,7 +261,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         # Sampled labels come with an unscaled loss; the training loss carries its scale.
         g_scale = (tf.constant(1.0) if self.options.fisher == "sampled"
                    else tf.math.reciprocal(tf.square(self.scale_on_loss(self._connection.model()))))
-        root_damping = self._root_damping() if self._estimator.damps_factors else None
+        root_damping = self._root_damping() if self.options.damps_factors else None
         self._estimator.update(distribution, local, root_damping, g_scale,
                                self._is_statistics_step())
 

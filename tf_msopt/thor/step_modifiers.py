@@ -42,19 +42,19 @@ def momentum_average(momentum):
 
 class KLClip:
     """``nu = min(1, sqrt(c / (lr^2 |sum_k <g_k, P g_k>|)))`` over the Kronecker-factored
-    kernels (``g`` the gradient, ``P g`` its step), kept in the optimizer variable ``factor``
-    and multiplying those kernels' steps (kfac-pytorch's clip)."""
+    kernels (``g`` the gradient, ``P g`` its step), multiplying those kernels' steps
+    (kfac-pytorch's clip)."""
 
-    def __init__(self, clip, factor, assign):
-        self.clip, self.factor, self.assign = clip, factor, assign
+    def __init__(self, clip, assign):
+        self.clip, self.assign = clip, assign
 
-    def __call__(self, products, learning_rate, factor=None):
-        """``nu`` from the products ``<g_k, P g_k>``, assigned to ``factor`` (this device's
-        component of :attr:`factor` by default)."""
+    def __call__(self, products, learning_rate, factor):
+        """``nu`` from the products ``<g_k, P g_k>``, assigned to the variable ``factor`` (the
+        optimizer's ``kl_factor``, this device's component)."""
         size = tf.abs(tf.add_n(products)) * tf.square(tf.cast(learning_rate, tf.float32))
         nu = tf.where(size > 0, tf.minimum(
             1.0, tf.sqrt(tf.math.divide_no_nan(self.clip, size))), 1.0)
-        self.assign(self.factor if factor is None else factor, nu)
+        self.assign(factor, nu)
         return nu
 
 

@@ -1,33 +1,48 @@
-"""The default THOR's train-step time against Keras' Adam, and what each of its parts costs.
+"""The default THOR's train-step time against Keras' Adam, what each of its parts costs, and
+the cost model that predicts it.
 
-The models are two of ``benchmarks/convergence.py``'s tasks, where the default's epochs cost
-the most: ``charlm`` (the character-level transformer, batch 32 x 64 characters) and
-``mnist_mlp`` (784-256-128-10, batch 64). Each case is the compiled train step of
-``benchmarks/thor_step.py`` on the same model and random batch (nothing is downloaded); the
-cases run interleaved, round after round, each round a multiple of the default's
-``frequency`` consecutive steps, and the median per-step time of each is reported:
+Every model of ``benchmarks/convergence.py`` (``mlp``, ``cnn``, ``mnist1d``, ``transformer``,
+``mnist_mlp``, ``charlm``, at their batch sizes there), ``keras.applications.ResNet50`` at
+64 x 64 pixels with batch 16 (``resnet50``) and the 2-block transformer of
+``benchmarks/thor_step.py`` (``transformer2``). Each case is the compiled train step of
+``thor_step.py`` on the same model and random batch (nothing is downloaded); the cases run
+interleaved, round after round, each round a multiple of the default's ``frequency``
+consecutive steps, and the median per-step time of each is reported:
 
 - ``adam``: ``keras.optimizers.Adam()``;
-- ``thor default``: ``tf_msopt.thor(model)``: the factors' statistics every step, new
-  eigenvectors every ``frequency`` steps;
-- ``no refresh``: the default with no new eigenvectors in the timed window;
-- ``rotation only``: neither statistics nor new eigenvectors: the gradient rotated into the
+- ``thor default``: ``tf_msopt.thor(model)``;
+- ``every factor``: the default with every factor decomposed at every refresh
+  (``eigenbasis_tolerance=None``): on a batch that repeats, the factors stop moving and the
+  default keeps its bases, so this is the refresh's cost where every basis moves;
+- ``no refresh``: the default with no refresh in the timed window;
+- ``rotation only``: neither statistics nor refresh: the gradient rotated into the
   eigenbases, Adam's second moment there, rotated back, grafted and averaged.
 
-The parts of a default step follow by difference: the rotation (``rotation only - adam``),
-the statistics (``no refresh - rotation only``) and the eigenvectors (``thor default - no
-refresh``, each refresh spread over its ``frequency`` steps). The last line printed is JSON
-(``--out FILE`` also writes it to FILE, replacing it).
+The measured parts follow by difference: the rotation (``rotation only - adam``), the
+statistics (``no refresh - rotation only``) and the refresh (``every factor - no refresh``,
+spread over its ``frequency`` steps).
 
-    python benchmarks/default_step.py [--model charlm|mnist_mlp|all] [--rounds R] [--out FILE]
+The cost model counts floating-point operations (a multiply-add is two) per step, from the
+model and the optimizer's curvature state after the warm-up: the model's forward and backward
+pass (three times the forward pass that TensorFlow's profiler counts), and per factored layer
+the statistics (``2 r n b`` for a factor of dimension ``n`` kept in blocks of ``b`` from
+``r`` rows), the rotation (into and out of each eigenbasis: ``4 n b m`` for the other side's
+dimension ``m``) and the refresh of every factor (``9 b^3`` per block for the
+eigendecomposition, LAPACK's count with eigenvectors, and ``2 b^3`` for the check of the
+previous basis), divided by ``frequency``. The last line printed is JSON (``--out FILE``
+also writes it to FILE, replacing it).
+
+    python benchmarks/default_step.py [--model NAME[,NAME...]|all] [--rounds R] [--out FILE]
 """
 import argparse
 import os
+import sys
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from convergence import build_model  # noqa: E402
@@ -35,62 +50,139 @@ from thor_step import Case  # noqa: E402
 from timing import emit, machine, time_cases  # noqa: E402
 
 NEVER = 10**9     # a frequency no timed step reaches (step 0, in the warm-up, refreshes)
-# Per model: input shape, classes, batch, whether every position has a label, and the title.
+EIGH_FLOPS = 9    # per b^3: a symmetric eigendecomposition with its eigenvectors
+CHECK_FLOPS = 2   # per b^3: P Q, the check whether the previous basis still holds
+
+
+def _thor_step_model(name):
+    def make():
+        from thor_step import BUILDERS
+        args = argparse.Namespace(batch=16 if name == "resnet50" else 32, classes=10,
+                                  sequence=64, vocab=1000)
+        model, x, title = BUILDERS[name](args, np.random.default_rng(0))
+        return model, x, 10, title
+    return make
+
+
+def _task_model(task, input_shape, classes, batch, title, tokens=False):
+    def make():
+        rng = np.random.default_rng(0)
+        if tokens:
+            x = rng.integers(0, classes, size=(batch, *input_shape)).astype("int32")
+        else:
+            x = rng.random((batch, *input_shape), dtype=np.float32)
+        return (lambda: build_model(task, input_shape, classes)), x, classes, title
+    return make
+
+
+# Per model: what makes (model factory, batch, classes, title), and whether every position
+# has a label (the language model's targets have the inputs' shape).
 MODELS = {
-    "charlm": ((64,), 96, 32, True, "character LM (2 pre-LN blocks, width 128, MLP 512), "
-                                    "batch 32 x 64"),
-    "mnist_mlp": ((784,), 10, 64, False, "MNIST MLP 784-256-128-10, batch 64"),
+    "mlp": (_task_model("mlp", (64,), 10, 64, "digits MLP 64-64-64-10, batch 64"), False),
+    "cnn": (_task_model("cnn", (8, 8, 1), 10, 64, "digits CNN (2 Conv2D, Dense 64), batch 64"),
+            False),
+    "mnist1d": (_task_model("mnist1d", (40, 1), 10, 64, "MNIST-1D Conv1D, batch 64"), False),
+    "transformer": (_task_model("transformer", (40, 1), 10, 64,
+                                "MNIST-1D transformer (1 block, width 32), batch 64"), False),
+    "mnist_mlp": (_task_model("mnist_mlp", (784,), 10, 64,
+                              "MNIST MLP 784-256-128-10, batch 64"), False),
+    "charlm": (_task_model("charlm", (64,), 96, 32, "character LM (2 pre-LN blocks, width "
+                           "128, MLP 512), batch 32 x 64", tokens=True), True),
+    "resnet50": (_thor_step_model("resnet50"), False),
+    "transformer2": (_thor_step_model("transformer"), False),
 }
 PARTS = {"rotation": ("rotation only", "adam"),
          "statistics": ("no refresh", "rotation only"),
-         "eigenvectors": ("thor default", "no refresh")}
+         "refresh": ("every factor", "no refresh")}
 
 
 def cases():
-    """The four cases' optimizer factories."""
+    """The cases' optimizer factories."""
     def thor(**kwargs):
         return lambda model: mso.thor(model, **kwargs)
     return {"adam": lambda model: keras.optimizers.Adam(),
             "thor default": thor(),
+            "every factor": thor(eigenbasis_tolerance=None),
             "no refresh": thor(frequency=NEVER),
             "rotation only": thor(frequency=NEVER, statistics_frequency=NEVER)}
 
 
+def forward_flops(model, x):
+    """The forward pass's floating-point operations, as TensorFlow's profiler counts them."""
+    spec = tf.TensorSpec(x.shape, tf.as_dtype(x.dtype))
+    graph = tf.function(lambda inputs: model(inputs, training=True)).get_concrete_function(
+        spec).graph
+    options = tf.compat.v1.profiler.ProfileOptionBuilder.float_operation()
+    options["output"] = "none"
+    return tf.compat.v1.profiler.profile(graph=graph, options=options).total_float_ops
+
+
+def thor_flops(optimizer):
+    """``{part: flops per step}`` of THOR's statistics, rotation and refresh (amortised)."""
+    options = optimizer.options
+    flops = dict.fromkeys(PARTS, 0.0)
+    buffers = optimizer._connection.statistics
+    for layer, buffer in zip(optimizer._estimator.layers, buffers):
+        block, rows = layer.block, float(buffer.rows.numpy())
+        sides = [(block.g_layout(options.block_size), block.a_dim, True)]
+        a_shape = block.factor_shapes(options.block_size)[0]
+        if len(a_shape) == 3:
+            sides.append((block.a_layout(options.block_size), block.g_dim,
+                          layer.a_eigenvectors is not None))
+        for layout, other, rotated in sides:
+            dim, size = layout.dim, layout.size
+            flops["statistics"] += 2 * rows * dim * size
+            if rotated:
+                flops["rotation"] += 4 * dim * size * other
+                flops["refresh"] += ((EIGH_FLOPS + CHECK_FLOPS) * layout.count * size**3
+                                     / options.frequency)
+    return flops
+
+
 def run_model(name, rounds, repeats):
-    input_shape, classes, batch, per_position, title = MODELS[name]
-    rng = np.random.default_rng(0)
-    if per_position:
-        x = rng.integers(0, classes, size=(batch, *input_shape)).astype("int32")
-        y = rng.integers(0, classes, size=(batch, *input_shape)).astype("int32")
-    else:
-        x = rng.random((batch, *input_shape), dtype=np.float32)
-        y = rng.integers(0, classes, size=batch).astype("int32")
-    steps = {case: Case(lambda: build_model(name, input_shape, classes), factory, x, y).step()
-             for case, factory in cases().items()}
+    make, per_position = MODELS[name]
+    make_model, x, classes, title = make()
+    rng = np.random.default_rng(1)
+    y = rng.integers(0, classes, size=x.shape if per_position else x.shape[:1]).astype("int32")
+    built = {case: Case(make_model, factory, x, y) for case, factory in cases().items()}
+    steps = {case: value.step() for case, value in built.items()}
     frequency = mso.thor.DEFAULTS["frequency"]
     times = time_cases(steps, rounds, frequency * repeats, warmup=frequency)
     ms = {case: 1e3 * seconds for case, seconds in times.items()}
-    parts = {part: ms[minuend] - ms[subtrahend]
-             for part, (minuend, subtrahend) in PARTS.items()}
+    measured = {part: ms[minuend] - ms[subtrahend]
+                for part, (minuend, subtrahend) in PARTS.items()}
+    model_flops = 3.0 * forward_flops(built["adam"].model, x)
+    flops = thor_flops(built["every factor"].optimizer)
     print(f"\n== {name}: {title}, default frequency {frequency}, {rounds} rounds")
     for case, value in ms.items():
         print(f"{case:>14} {value:9.2f} ms/step {value / ms['adam']:6.2f}x Adam")
-    for part, value in parts.items():
-        print(f"{part:>14} {value:9.2f} ms/step")
-    return {"title": title, "batch": batch, "frequency": frequency, "rounds": rounds,
+    print(f"{'part':>14} {'GFLOP/step':>11} {'x model':>8} {'ms/step':>9}")
+    print(f"{'model':>14} {model_flops / 1e9:11.4f} {1.0:8.2f} {'':>9}")
+    for part, value in flops.items():
+        print(f"{part:>14} {value / 1e9:11.4f} {value / model_flops:8.2f} "
+              f"{measured[part]:9.2f}")
+    added = sum(flops.values()) / model_flops
+    print(f"{'THOR adds':>14} {sum(flops.values()) / 1e9:11.4f} {added:8.2f}")
+    return {"title": title, "batch": int(x.shape[0]), "frequency": frequency, "rounds": rounds,
             "ms_per_step": ms, "ratio_vs_adam": {c: v / ms["adam"] for c, v in ms.items()},
-            "parts_ms": parts}
+            "parts_ms": measured, "model_gflop": model_flops / 1e9,
+            "parts_gflop": {part: value / 1e9 for part, value in flops.items()},
+            "flops_added_vs_model": added}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="all", choices=[*MODELS, "all"])
-    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--model", default="all",
+                        help=f"comma-separated names of {', '.join(MODELS)}, or all")
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2,
                         help="frequency-long runs per case and round")
     parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
-    names = list(MODELS) if args.model == "all" else [args.model]
+    names = list(MODELS) if args.model == "all" else args.model.split(",")
+    unknown = sorted(set(names) - set(MODELS))
+    if unknown:
+        sys.exit(f"--model: unknown {unknown}; choose from {', '.join(MODELS)} or all")
     emit({"benchmark": "default_step", "machine": machine(), "defaults": mso.thor.DEFAULTS,
           "models": {name: run_model(name, args.rounds, args.repeats) for name in names}},
          args.out)

@@ -217,12 +217,14 @@ def render_default_step(results):
     r = load("default_step.json", results)
     rows = []
     for m in r["models"].values():
-        ms = m["ms_per_step"]
+        ms, gflop = m["ms_per_step"], m["parts_gflop"]
         rows.append([m["title"], f"{ms['adam']:.3g}", f"{ms['thor default']:.3g}",
-                     _x(m["ratio_vs_adam"]["thor default"])]
-                    + [f"{part:.1f}" for part in m["parts_ms"].values()])
+                     _x(m["ratio_vs_adam"]["thor default"]), f"{m['model_gflop']:.3g}"]
+                    + [f"{gflop[part]:.3g} / {m['parts_ms'][part]:.1f}" for part in gflop]
+                    + [_x(m["flops_added_vs_model"])])
     return (table(["model", "Adam ms/step", "default THOR ms/step", "THOR / Adam",
-                   "rotation ms", "statistics ms", "eigenvectors ms (per step)"], rows)
+                   "model GFLOP", "rotation GFLOP / ms", "statistics GFLOP / ms",
+                   "refresh GFLOP / ms (per step)", "THOR's FLOPs / model's"], rows)
             + machine_line(r, files=["default_step.json"]))
 
 

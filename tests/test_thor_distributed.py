@@ -9,13 +9,13 @@ from test_thor_training import assert_weights_close, mixed_data, mixed_model
 import tf_msopt as mso
 
 
-def train(strategy, wrap=None, split_indices=None, steps=6):
+def train(strategy, wrap=None, split_indices=None, steps=6, **options):
     """``steps`` steps of 16 examples, frequency 3: THOR steps 0 and 3, four stale steps."""
     with strategy.scope():
         model = mixed_model()
         optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4,
                              split_indices=split_indices, weight_decay=1e-3,
-                             use_nesterov=True)
+                             use_nesterov=True, **options)
         model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse")
     x, y = mixed_data(16 * steps)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
@@ -33,6 +33,20 @@ def test_two_replicas_equal_one_device(two_cpu_strategy):
     for variable in curvature_variables(optimizer, "a_inverse", "g_inverse"):
         first, second = (v.numpy() for v in variable.value.values)
         np.testing.assert_array_equal(first, second)
+
+
+def test_subsampled_statistics_equal_one_device(two_cpu_strategy):
+    """``statistics_rows=18`` keeps every 8th example of the convolution's (9 rows each) and
+    every other one of the token layers' (3 each): strides that divide each replica's 8
+    examples, so the replicas keep together what one device keeps."""
+    options = dict(statistics_decay=0.9, statistics_rows=18)
+    single, optimizer = train(tf.distribute.get_strategy(), **options)
+    rows = {buffer.block.layer: float(buffer.rows.numpy())
+            for buffer in optimizer._connection.statistics}
+    assert rows["conv"] == 2 * 9 and rows["emb"] == 8 * 3
+    keras.backend.clear_session()
+    mirrored, _ = train(two_cpu_strategy, **options)
+    assert_weights_close(mirrored, single, rtol=1e-5)
 
 
 def custom_loop_weights(strategy, shard=None, steps=6, batch=16):

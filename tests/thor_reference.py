@@ -70,6 +70,19 @@ def eigenvectors(matrix):
     return (vectors * (values > rounding)[..., None, :])[..., ::-1]
 
 
+def basis_drifts(matrix, basis, block_size):
+    """Per diagonal block of ``block_size``: the share of the block's squared Frobenius mass
+    off the diagonal of ``Q_b^T P_b Q_b``."""
+    n = matrix.shape[0]
+    size = n if block_size is None else min(n, block_size)
+    drifts = []
+    for start in range(0, n, size):
+        block, q = (m[start:start + size, start:start + size] for m in (matrix, basis))
+        rotated = q.T @ block @ q
+        drifts.append(1.0 - np.sum(np.diag(rotated) ** 2) / np.sum(block ** 2))
+    return np.array(drifts)
+
+
 def block_eigenvectors(matrix, block_size):
     """``blockdiag(eigenvectors of M_b)`` (eigenvalues descending) over diagonal blocks of
     ``block_size`` (None: full)."""
@@ -307,6 +320,7 @@ class ThorReference:
                  decay=lambda name: True, damping_mode="sqrt", statistics_decay=None,
                  statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
                  precondition_inputs=True, preconditioner="inverse", eigenbasis_exponent=None,
+                 eigenbasis_tolerance=None, max_rotated_dim=None, statistics_rows=None,
                  cautious=False):
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
@@ -322,6 +336,11 @@ class ThorReference:
         self.graft, self.precondition_inputs = graft, precondition_inputs
         self.preconditioner = preconditioner
         self.eigenbasis_exponent = eigenbasis_exponent
+        self.eigenbasis_tolerance, self.max_rotated_dim = eigenbasis_tolerance, max_rotated_dim
+        self.statistics_rows = statistics_rows
+        # Per refresh of a factor with a tolerance: (kept the previous basis, the largest
+        # block's distance from the tolerance).
+        self.basis_decisions = []
         self.cautious, self.kept_fractions = cautious, []
         self.rotated_moments, self.second_moments = {}, {}
         self.velocity = {name: np.zeros_like(w) for name, w in network.weights().items()}
@@ -337,6 +356,15 @@ class ThorReference:
     def factors(self, layer, batch):
         """``(A, G)`` of one layer from what its last backward pass observed."""
         inputs, dz = layer.observed
+        if self.statistics_rows is not None:     # every stride-th example
+            rows_per_example = dz.size // dz.shape[0] // dz.shape[-1]
+            stride = max(1, dz.shape[0] * rows_per_example // self.statistics_rows)
+            if layer.kind == "conv":     # patches: rows example after example
+                inputs = inputs.reshape(dz.shape[0], -1, inputs.shape[-1])[::stride].reshape(
+                    -1, inputs.shape[-1])
+            else:
+                inputs = inputs[::stride]
+            dz = dz[::stride]
         delta = (dz * batch).reshape(-1, dz.shape[-1])
         g = delta.T @ delta / delta.shape[0]
         if layer.kind == "embedding":
@@ -458,7 +486,8 @@ class ThorReference:
                     layer, self.damped_trace(layer, a, g, a_damping, g_damping)):
                 continue
             if self.preconditioner == "eigenbasis":
-                self.bases[layer.name] = self.eigenvectors_of(layer, a, g)
+                self.bases[layer.name] = self.kept_bases(
+                    layer, (a, g), self.eigenvectors_of(layer, a, g))
                 if self.compared_bases is not None:
                     self.other_bases[layer.name] = self.compared_bases(layer)
             else:
@@ -466,13 +495,40 @@ class ThorReference:
 
     def eigenvectors_of(self, layer, a, g):
         """``(Q_A, Q_G)`` (per channel for depthwise); ``Q_A`` None where ``A`` is diagonal or
-        the input side is not preconditioned."""
+        the input side is not preconditioned, either None where its factor is wider than
+        ``max_rotated_dim`` and than the other."""
         inputs = self.precondition_inputs and layer.kind != "embedding"
         if layer.kind == "depthwise":
             return [(eigenvectors(a_c) if inputs else None, eigenvectors(g_c))
                     for a_c, g_c in zip(a, g)]
-        return (block_eigenvectors(a, self.block_size) if inputs else None,
-                block_eigenvectors(g, self.block_size))
+        rotated = [inputs, True]
+        dims = len(a), len(g)
+        if self.max_rotated_dim is not None and layer.kind != "embedding":
+            rotated = [side and not (dim == max(dims) > self.max_rotated_dim
+                                     and min(dims) < dim) for side, dim in zip(rotated, dims)]
+        return tuple(block_eigenvectors(factor, self.block_size) if side else None
+                     for factor, side in zip((a, g), rotated))
+
+    def kept_bases(self, layer, factors, bases):
+        """``bases``, but with ``eigenbasis_tolerance`` each side's previous basis where its
+        drift (:func:`basis_drifts`) is at most that in every block, once the moving averages
+        have had two time constants of updates (the first previous basis is the identity)."""
+        filling = (self.statistics_decay is not None
+                   and self.counts[layer.name] < 2 / (1 - self.statistics_decay))
+        if self.eigenbasis_tolerance is None or layer.kind == "depthwise" or filling:
+            return bases
+        previous = self.bases.get(layer.name, (None, None))
+        kept = []
+        for factor, basis, old in zip(factors, bases, previous):
+            if basis is None:
+                kept.append(None)
+                continue
+            old = np.eye(len(factor)) if old is None else old
+            margins = basis_drifts(factor, old, self.block_size) - self.eigenbasis_tolerance
+            keep = bool(np.all(margins <= 0))
+            self.basis_decisions.append((keep, np.max(margins)))
+            kept.append(old if keep else basis)
+        return tuple(kept)
 
     def exponent_of(self, kind):
         """The eigenbasis exponent of a layer of the library's block ``kind``."""
@@ -499,8 +555,8 @@ class ThorReference:
         pairs = bases if depthwise else [bases]
 
         def rotate(matrix, into):
-            factors = [(None if a is None else a.T if into else a, g if into else g.T)
-                       for a, g in pairs]
+            factors = [(None if a is None else a.T if into else a,
+                        None if g is None else g if into else g.T) for a, g in pairs]
             return (self.depthwise_precondition(matrix, factors) if depthwise
                     else self.kernel_precondition(matrix, factors[0]))
 
@@ -512,10 +568,10 @@ class ThorReference:
     def kernel_precondition(grad, factors):
         """``L g R`` on the kernel as a matrix (``L`` None: left alone; a vector: diagonal)."""
         left, right = factors
-        matrix = grad.reshape(-1, len(right))
+        matrix = grad.reshape(-1, len(right)) if right is not None else grad.reshape(len(left), -1)
         if left is not None:
             matrix = left[:, None] * matrix if left.ndim == 1 else left @ matrix
-        return (matrix @ right).reshape(grad.shape)
+        return (matrix if right is None else matrix @ right).reshape(grad.shape)
 
     def preconditioned(self, layer, key, grad, batch, root):
         if self.preconditioner == "eigenbasis" and key in ("kernel", "embeddings"):

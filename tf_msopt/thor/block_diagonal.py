@@ -14,8 +14,9 @@ import tensorflow as tf
 
 from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
-__all__ = ["BlockLayout", "covariance_blocks", "robust_eigenvectors", "robust_inverse",
-           "robust_inverses", "left_multiply", "right_multiply", "robust_reciprocal"]
+__all__ = ["BlockLayout", "basis_drift", "covariance_blocks", "robust_eigenvectors",
+           "robust_inverse", "robust_inverses", "left_multiply", "right_multiply",
+           "robust_reciprocal"]
 
 
 class BlockLayout(NamedTuple):
@@ -197,6 +198,17 @@ def robust_eigenvectors(statistics, layout, previous, use=True):
     ok = finite & tf.reduce_all(tf.math.is_finite(vectors), axis=[-2, -1])
     return (tf.where((ok & use)[:, None, None], vectors, previous),
             _count(tf.logical_not(ok) & use))
+
+
+def basis_drift(statistics, eigenvectors):
+    """Per block, how far ``eigenvectors`` (``Q``) are from diagonalising ``statistics``
+    (``P``): the share of ``P``'s squared Frobenius mass off the diagonal of ``Q^T P Q``,
+    0 where ``Q`` is ``P``'s eigenbasis. A rotation keeps the Frobenius norm, so it is
+    ``1 - |diag(Q^T P Q)|^2 / |P|^2``: one product ``P Q``; what a zero column of ``Q`` (a
+    dropped direction) would carry counts as off the diagonal."""
+    diagonal = tf.reduce_sum(eigenvectors * tf.matmul(statistics, eigenvectors), axis=-2)
+    return 1.0 - tf.math.divide_no_nan(tf.reduce_sum(tf.square(diagonal), axis=-1),
+                                       tf.reduce_sum(tf.square(statistics), axis=[-2, -1]))
 
 
 def robust_reciprocal(diagonal, damping, previous):

@@ -18,7 +18,7 @@ import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt.thor.execution import global_batch, when
+from tf_msopt.thor.execution import global_batch, replicas_in_sync, when
 
 __all__ = ["LayerStatistics", "assign", "install", "install_model"]
 
@@ -32,14 +32,16 @@ class LayerStatistics:
     state and are not saved.
     """
 
-    def __init__(self, block, block_size, weight_sharing="mean"):
+    def __init__(self, block, block_size, weight_sharing="mean", rows=None, shapes=None):
         self.block, self.block_size, self.weight_sharing = block, block_size, weight_sharing
+        self.rows_wanted = rows
 
         def buffer(shape, name):
             return keras.Variable(initializer="zeros", shape=shape, dtype="float32",
                                   trainable=False, autocast=False, name=f"{block.layer}_{name}")
 
-        a_shape, g_shape = block.factor_shapes(block_size)
+        # A factor no step reads has shape (0,): its statistics are not computed.
+        a_shape, g_shape = shapes or block.factor_shapes(block_size)
         self.a = buffer(a_shape, "a_statistics")
         self.g = buffer(g_shape, "g_statistics")
         self.rows = buffer((), "rows")
@@ -47,11 +49,32 @@ class LayerStatistics:
     def measure(self, layer, inputs, delta):
         """The block's ``(A, G, rows)`` sums over the rows of one call (``delta``'s first axis
         holds its examples). With ``weight_sharing="expand"``, ``G`` is summed over each
-        example's positions (its rows per example) instead of averaged with the examples."""
+        example's positions (its rows per example) instead of averaged with the examples.
+        With ``rows`` wanted, every ``s``-th example only, ``s`` the most that leaves at least
+        that many rows of the global batch."""
+        if self.rows_wanted is not None:
+            inputs, delta = self._subsample(inputs, delta)
         a, g, rows = self.block.statistics(layer, inputs, delta, self.block_size)
+        # Where a factor is not read its buffer is empty; the computation of its statistics
+        # then has no consumer and the traced function drops it.
+        a, g = (tf.zeros(buffer.shape) if buffer.shape == (0,) else value
+                for buffer, value in ((self.a, a), (self.g, g)))
         if self.weight_sharing == "expand":
             g = g * (rows / tf.cast(tf.shape(delta)[0], tf.float32))
         return a, g, rows
+
+    def _subsample(self, inputs, delta):
+        """Every ``s``-th example of ``inputs`` and ``delta``. The stride follows the global
+        batch, so that replicas whose shares it divides keep together the examples one
+        device would keep."""
+        examples = tf.shape(delta)[0]
+        rows_per_example = tf.size(delta) // tf.maximum(examples, 1) // self.block.g_dim
+        stride = tf.maximum(examples * replicas_in_sync() * rows_per_example
+                            // self.rows_wanted, 1)
+        # A gather keeps the other axes' static sizes, which a slice with a tensor stride
+        # loses (the convolution patches need them).
+        kept = tf.range(0, examples, stride)
+        return tf.gather(inputs, kept), tf.gather(delta, kept)
 
     def write(self, a, g, rows):
         """Assigns the three buffers; returns a tensor that depends on the assignments."""

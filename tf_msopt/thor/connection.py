@@ -39,7 +39,9 @@ class ModelConnection:
         model: the model (held weakly); its ``train_function`` is reset so that the next
             step is traced with the capture.
         blocks, layers, rows: what :func:`tf_msopt.thor.report.survey` found.
-        block_size, weight_sharing: how the statistics are measured.
+        block_size, weight_sharing, statistics_rows: how the statistics are measured.
+        statistics_shapes: ``block -> (a_shape, g_shape)``, the statistics the optimizer
+            reads (its preconditioner's).
         batch_size: the global batch size until one is observed.
         is_statistics_step: returns whether this step records statistics.
         strategy: the distribution strategy the buffers are created under.
@@ -51,13 +53,15 @@ class ModelConnection:
     """
 
     def __init__(self, model, blocks, layers, rows, *, block_size, weight_sharing, batch_size,
-                 is_statistics_step, strategy, sampled_seed=None, step=None,
+                 is_statistics_step, statistics_rows=None, statistics_shapes=None, strategy, sampled_seed=None, step=None,
                  fisher_distribution=None):
         self.model = weakref.ref(model)
         self.layers, self.rows = layers, rows
         self.fisher_distribution = fisher_distribution
         with strategy.scope():
-            self.statistics = [LayerStatistics(block, block_size, weight_sharing)
+            self.statistics = [LayerStatistics(
+                block, block_size, weight_sharing, statistics_rows,
+                statistics_shapes(block) if statistics_shapes else None)
                                for block in blocks if block.has_factors]
             self.batch = keras.Variable(float(batch_size), dtype="float32", trainable=False,
                                         autocast=False, name="global_batch")

@@ -59,8 +59,9 @@ class Preconditioning:
 
     ``a_inverse`` and ``g_inverse`` are the matrices a kernel is multiplied by on its input
     and output side: the factors' inverses, or the rotations into and out of their
-    eigenbases (``preconditioner="eigenbasis"``). ``a_inverse`` is None where the input side
-    is left alone (``precondition_inputs=False``, or a diagonal ``A`` in an eigenbasis).
+    eigenbases (``preconditioner="eigenbasis"``). ``a_inverse`` (``g_inverse``) is None where
+    the input (output) side is left alone (``precondition_inputs=False``, a diagonal ``A`` in
+    an eigenbasis, or a side wider than ``max_rotated_dim``).
     ``root_damping`` is ``sqrt(lambda)``, what THOR's rules add (the LayerNorm rule's);
     ``batch`` the step's global batch size."""
 
@@ -260,7 +261,8 @@ class KroneckerBlock(CurvatureBlock):
         matrix = self.kernel_matrix(gradient)
         if state.a_inverse is not None:
             matrix = self.left_precondition(matrix, state.a_inverse, block_size)
-        matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size))
+        if state.g_inverse is not None:
+            matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size))
         return self.kernel_from_matrix(matrix, gradient)
 
     def left_precondition(self, matrix, a_inverse, block_size):

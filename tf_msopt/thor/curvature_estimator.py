@@ -50,7 +50,7 @@ class LayerCurvature:
     @property
     def device_variable(self):
         """A variable of this state: says on which device a per-device function runs."""
-        return self.g_inverse if self.g_inverse is not None else self.g_eigenvectors
+        return self.g_inverse if self.g_inverse is not None else self.rotated_second_moment
 
 
 def _positive_or_one(value):
@@ -107,7 +107,7 @@ class CurvatureEstimator:
             layer, name = LayerCurvature(block), block.layer
             self.preconditioner.build(layer, add_variable)
             if self.options.statistics_decay is not None:
-                a_shape, g_shape = block.factor_shapes(self.options.block_size)
+                a_shape, g_shape = self.preconditioner.statistics_shapes(block)
                 layer.a_average = add_variable(a_shape, "zeros", f"{name}_a_average")
                 layer.g_average = add_variable(g_shape, "zeros", f"{name}_g_average")
                 layer.count = add_variable((), "zeros", f"{name}_statistics_count")

@@ -5,10 +5,11 @@ every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronec
 (SOAP's direction; on convolutions the second moment's power is 0.75, not Adam's 1/2),
 each step grafted to Adam's length (a learning rate that means what it means to Adam) and
 scaled down by the KL clip where it would move the model too far, the factors' moving
-averages over steps, new eigenvectors every 10 steps and, on the Dense and EinsumDense
-kernels applied at each position of a sequence, the cautious mask (a momentum step only
-where it agrees in sign with the current direction); any argument given replaces its
-entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum`` together (or
+averages over steps (from at least 512 rows of each batch), a refresh every 10 steps
+that decomposes only the factors whose eigenvectors no longer hold and, on the Dense and
+EinsumDense kernels applied at each position of a sequence, the cautious mask (a momentum
+step only where it agrees in sign with the current direction); any argument given
+replaces its entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum`` together (or
 ``preset="mindspore"``), it is MindSpore's THOR, with MindSpore's defaults for the rest.
 """
 from tf_msopt._validation import check_choice, type_name
@@ -24,7 +25,8 @@ _OWNER = "THOR"
 DEFAULTS = {"learning_rate": 5e-3, "damping": None, "momentum": 0.9, "frequency": 10,
             "graft": "adam", "preconditioner": "eigenbasis",
             "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
-            "eigenbasis_exponent": {"conv": 0.75}, "cautious": "sequence"}
+            "eigenbasis_exponent": {"conv": 0.75}, "eigenbasis_tolerance": 0.01,
+            "statistics_rows": 512, "cautious": "sequence"}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
 _PRESETS = ("default", "mindspore")
 

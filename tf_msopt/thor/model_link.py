@@ -33,7 +33,10 @@ class ModelLink:
         self._blocks = matching_blocks(self._blocks, blocks, self.built)
         self._connection = ModelConnection(
             model, blocks, layers, rows, block_size=options.block_size,
-            weight_sharing=options.experimental.weight_sharing, batch_size=options.batch_size,
+            weight_sharing=options.experimental.weight_sharing,
+            statistics_rows=options.statistics_rows,
+            statistics_shapes=self.preconditioner.statistics_shapes,
+            batch_size=options.batch_size,
             is_statistics_step=self._is_statistics_step,
             strategy=compat.distribution_strategy(self),
             sampled_seed=options.seed if options.fisher == "sampled" else None,

@@ -89,6 +89,17 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
             (Adam in the eigenbases of the factors, SOAP), :mod:`tf_msopt.thor.preconditioners`.
         eigenbasis_exponent: with ``"eigenbasis"``: None (1/2), a number in (0, 1] or a dict
             of layer kinds with factors (``"dense"``, ``"conv"``, ...) to numbers.
+        eigenbasis_tolerance: with ``"eigenbasis"``: None (every refresh decomposes every
+            factor) or ``tol`` in (0, 1): a refresh decomposes only the factors whose current
+            eigenvectors have drifted by more than ``tol`` in some block
+            (:func:`~tf_msopt.thor.block_diagonal.basis_drift`); with ``statistics_decay``,
+            only once the averages have had ``2 / (1 - statistics_decay)`` updates.
+        max_rotated_dim: with ``"eigenbasis"``: None, or a kernel's factor wider than this
+            and than its other factor is not rotated (nor estimated): the kernel is rotated on
+            its narrower side only.
+        statistics_rows: None (every row) or ``n >= 1``: each layer's statistics from a
+            strided subsample of a call's examples, at least ``n`` rows (an example has one
+            row per position where the kernel is applied).
         cautious: ``True``: each variable's momentum step only where it agrees in sign with
             this step's direction; ``"sequence"``: only the Dense and EinsumDense kernels
             applied at each position of a sequence; ``False``: none.
@@ -113,6 +124,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
                  enable_clip_grad=False, frequency=100, block_size=128, damping_mode="sqrt",
                  statistics_decay=None, fisher="empirical", kl_clip=None, seed=None,
                  graft=None, preconditioner="inverse", eigenbasis_exponent=None,
+                 eigenbasis_tolerance=None, max_rotated_dim=None, statistics_rows=None,
                  cautious=False, experimental=None, layers=None, name=None, jit_compile=None,
                  **kwargs):
         options = ThorOptions(
@@ -121,8 +133,9 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
             enable_clip_grad=enable_clip_grad, frequency=frequency, block_size=block_size,
             damping_mode=damping_mode, statistics_decay=statistics_decay, fisher=fisher,
             kl_clip=kl_clip, seed=seed, graft=graft, preconditioner=preconditioner,
-            eigenbasis_exponent=eigenbasis_exponent, cautious=cautious,
-            experimental=experimental, weight_decay=weight_decay)
+            eigenbasis_exponent=eigenbasis_exponent, eigenbasis_tolerance=eigenbasis_tolerance,
+            max_rotated_dim=max_rotated_dim, statistics_rows=statistics_rows,
+            cautious=cautious, experimental=experimental, weight_decay=weight_decay)
         check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)

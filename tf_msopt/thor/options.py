@@ -135,6 +135,9 @@ class ThorOptions:
     graft: object
     preconditioner: str
     eigenbasis_exponent: object
+    eigenbasis_tolerance: object
+    max_rotated_dim: object
+    statistics_rows: object
     cautious: object
     experimental: Experimental
     weight_decay: float
@@ -166,6 +169,17 @@ class ThorOptions:
         check_choice(self.graft, "graft", _OWNER, _GRAFTS)
         check_choice(self.preconditioner, "preconditioner", _OWNER, tuple(PRECONDITIONERS))
         normalise("eigenbasis_exponent", _check_exponent(self.eigenbasis_exponent))
+        if self.eigenbasis_tolerance is not None:
+            normalise("eigenbasis_tolerance", check_number_range(
+                check_float(self.eigenbasis_tolerance, "eigenbasis_tolerance", _OWNER),
+                "eigenbasis_tolerance", _OWNER, low=0.0, high=1.0, low_inclusive=False,
+                high_inclusive=False))
+        if self.max_rotated_dim is not None:
+            normalise("max_rotated_dim", check_int(self.max_rotated_dim, "max_rotated_dim",
+                                                   _OWNER, min_value=1))
+        if self.statistics_rows is not None:
+            normalise("statistics_rows", check_int(self.statistics_rows, "statistics_rows",
+                                                   _OWNER, min_value=1))
         if self.kl_clip is not None:
             normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
         normalise("seed", _check_seed(self.seed, self.fisher))
@@ -173,6 +187,11 @@ class ThorOptions:
         normalise("experimental", experimental)
         _check_statistics_frequency(experimental.statistics_frequency, self.statistics_decay,
                                     self.frequency)
+        if self.max_rotated_dim is not None and experimental.trace_thresholds is not None:
+            raise ValueError(
+                f"For '{_OWNER}', 'max_rotated_dim' leaves the factors it does not rotate "
+                f"unestimated, but the trace rule (trace_thresholds) reads every factor's "
+                f"trace; got max_rotated_dim={self.max_rotated_dim}.")
         if experimental.pi_damping and self.damping_mode != "sqrt":
             raise ValueError(f"For '{_OWNER}', 'pi_damping' splits damping_mode='sqrt' by the "
                              f"factors' traces, but got damping_mode={self.damping_mode!r}.")

@@ -8,7 +8,8 @@ default's; another is one more class in :data:`PRECONDITIONERS`.
 """
 import tensorflow as tf
 
-from tf_msopt.thor.block_diagonal import robust_eigenvectors, robust_inverses
+from tf_msopt.thor.block_diagonal import (basis_drift, robust_eigenvectors,
+                                          robust_inverses)
 from tf_msopt.thor.curvature_base import Preconditioning
 from tf_msopt.thor.grafting import adam_step, second_moment
 
@@ -20,12 +21,19 @@ ADAM_EXPONENT = 0.5
 #: With an exponent other than Adam's, the rotated second moment is damped by this fraction of
 #: its mean: a direction the gradients have not reached takes no huge step.
 EIGENBASIS_DAMPING = 1e-2
+#: With ``eigenbasis_tolerance`` and moving averages, bases are kept only after this many
+#: time constants ``1 / (1 - statistics_decay)`` of statistics updates.
+FILLED = 2
 
 
 def _identity_blocks(shape, dtype=None):
     if len(shape) == 1:
         return tf.ones(shape, dtype)
     return tf.eye(shape[-1], batch_shape=[shape[0]], dtype=dtype)
+
+
+def _transposed(blocks):
+    return None if blocks is None else tf.linalg.matrix_transpose(blocks)
 
 
 class InversePreconditioner:
@@ -44,6 +52,10 @@ class InversePreconditioner:
     def from_options(cls, options):
         """The preconditioner a :class:`~tf_msopt.thor.options.ThorOptions` describes."""
         return cls(options.block_size, options.experimental.precondition_inputs)
+
+    def statistics_shapes(self, block):
+        """The shapes of ``block``'s ``(A, G)`` statistics: both factors are inverted."""
+        return block.factor_shapes(self.block_size)
 
     def build(self, layer, add_variable):
         """Creates ``layer``'s inverses with ``add_variable(shape, initializer, name)``."""
@@ -97,14 +109,44 @@ class EigenbasisPreconditioner:
     name = "eigenbasis"
     damps_factors = False
 
-    def __init__(self, block_size, precondition_inputs=True, exponent=None):
+    def __init__(self, block_size, precondition_inputs=True, exponent=None, tolerance=None,
+                 max_rotated_dim=None, statistics_decay=None):
         self.block_size, self.precondition_inputs = block_size, precondition_inputs
-        self.exponent = exponent
+        self.exponent, self.tolerance = exponent, tolerance
+        self.max_rotated_dim = max_rotated_dim
+        # Bases are kept only once the factors' moving averages span FILLED time constants:
+        # before, a factor averages a few batches and its small directions still turn.
+        self.filled = None if statistics_decay is None else FILLED / (1.0 - statistics_decay)
 
     @classmethod
     def from_options(cls, options):
         return cls(options.block_size, options.experimental.precondition_inputs,
-                   options.eigenbasis_exponent)
+                   options.eigenbasis_exponent, options.eigenbasis_tolerance,
+                   options.max_rotated_dim, options.statistics_decay)
+
+    def rotated_sides(self, block):
+        """``(A, G)``: whether ``block``'s kernel is rotated on its input and its output side.
+        A diagonal ``A`` (or, without ``precondition_inputs``, any ``A``) is not; with
+        ``max_rotated_dim``, neither is a factor wider than that and than the other factor
+        (SOAP's one-sided form: the wide side's rotation and statistics cost the most)."""
+        a_shape = block.factor_shapes(self.block_size)[0]
+        wide = self._too_wide(block)
+        return (self.precondition_inputs and len(a_shape) == 3 and not wide[0], not wide[1])
+
+    def _too_wide(self, block):
+        """``(A, G)``: whether each factor is wider than ``max_rotated_dim`` and the other."""
+        dims = block.a_dim, block.g_dim
+        shapes = block.factor_shapes(self.block_size)
+        if self.max_rotated_dim is None or any(len(shape) != 3 for shape in shapes):
+            return False, False
+        return tuple(dim == max(dims) > self.max_rotated_dim and min(dims) < dim
+                     for dim in dims)
+
+    def statistics_shapes(self, block):
+        """The shapes of ``block``'s ``(A, G)`` statistics; ``(0,)`` for a factor too wide to
+        be rotated: nothing reads it, so nothing estimates it."""
+        return tuple((0,) if wide else shape for shape, wide in zip(
+            block.factor_shapes(self.block_size), self._too_wide(block)))
 
     def exponent_of(self, kind):
         """The exponent of the rotated second moment for a layer of block ``kind``."""
@@ -115,10 +157,13 @@ class EigenbasisPreconditioner:
     def build(self, layer, add_variable):
         block, name = layer.block, layer.block.layer
         a_shape, g_shape = block.factor_shapes(self.block_size)
-        layer.g_eigenvectors = add_variable(g_shape, _identity_blocks, f"{name}_g_eigenvectors")
+        rotate_a, rotate_g = self.rotated_sides(block)
+        if rotate_g:
+            layer.g_eigenvectors = add_variable(g_shape, _identity_blocks,
+                                                f"{name}_g_eigenvectors")
         layer.rotated_second_moment = add_variable((block.kernel_elements,), "zeros",
                                                    f"{name}_rotated_second_moment")
-        if self.precondition_inputs and len(a_shape) == 3:
+        if rotate_a:
             layer.a_eigenvectors = add_variable(a_shape, _identity_blocks,
                                                 f"{name}_a_eigenvectors")
 
@@ -128,29 +173,44 @@ class EigenbasisPreconditioner:
         blocks kept."""
         kept = []
         for layer, a, g, used, _ in refreshes:
-            block = layer.block
-            sides = [(layer.g_eigenvectors, g, block.g_layout(self.block_size))]
+            block, sides = layer.block, []
+            if layer.g_eigenvectors is not None:
+                sides.append((layer.g_eigenvectors, g, block.g_layout(self.block_size)))
             if layer.a_eigenvectors is not None:
                 sides.append((layer.a_eigenvectors, a, block.a_layout(self.block_size)))
             for variable, statistics, layout in sides:
-                vectors, failed = robust_eigenvectors(statistics, layout,
-                                                      tf.convert_to_tensor(variable), used)
+                previous = tf.convert_to_tensor(variable)
+                decompose = used
+                if self.tolerance is not None:
+                    # A basis that still diagonalises its factor is kept: its decomposition
+                    # is the refresh's cost, and a factor that barely moved would return it.
+                    decompose = used & (self._filling(layer) | tf.reduce_any(
+                        basis_drift(statistics, previous) > self.tolerance))
+                vectors, failed = tf.cond(
+                    decompose,
+                    lambda s=statistics, l=layout, p=previous: robust_eigenvectors(s, l, p),
+                    lambda p=previous: (p, tf.constant(0, tf.int64)))
                 assign(variable, vectors)
                 kept.append(failed)
         return None, tf.add_n(kept)
 
+    def _filling(self, layer):
+        """Whether ``layer``'s moving averages are still filling (no average: never)."""
+        if self.filled is None:
+            return tf.constant(False)
+        return tf.convert_to_tensor(layer.count) < self.filled
+
     def step(self, layer, gradient, step, assign):
         """Adam's step without its first moment on ``gradient`` rotated into the eigenbases,
         ``Q_A^T g Q_G``, rotated back."""
-        a = None if layer.a_eigenvectors is None else tf.convert_to_tensor(layer.a_eigenvectors)
-        g = tf.convert_to_tensor(layer.g_eigenvectors)
+        a, g = (None if vectors is None else tf.convert_to_tensor(vectors)
+                for vectors in (layer.a_eigenvectors, layer.g_eigenvectors))
         rotated = layer.block.precondition(gradient, Preconditioning(
-            a_inverse=None if a is None else tf.linalg.matrix_transpose(a), g_inverse=g),
-            self.block_size)
+            a_inverse=_transposed(a), g_inverse=g), self.block_size)
         scaled = self._scaled(layer.rotated_second_moment, rotated, step, assign,
                               self.exponent_of(layer.block.kind))
         return layer.block.precondition(scaled, Preconditioning(
-            a_inverse=a, g_inverse=tf.linalg.matrix_transpose(g)), self.block_size)
+            a_inverse=a, g_inverse=_transposed(g)), self.block_size)
 
     @staticmethod
     def _scaled(moment, rotated, step, assign, exponent):

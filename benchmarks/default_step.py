@@ -7,7 +7,8 @@ Every model of ``benchmarks/convergence.py`` (``mlp``, ``cnn``, ``mnist1d``, ``t
 ``benchmarks/thor_step.py`` (``transformer2``). Each case is the compiled train step of
 ``thor_step.py`` on the same model and random batch (nothing is downloaded); the cases run
 interleaved, round after round, each round a multiple of the default's ``frequency``
-consecutive steps, and the median per-step time of each is reported:
+consecutive steps after 50 untimed ones (the default keeps no basis before its moving
+averages have filled, 40 steps), and the median per-step time of each is reported:
 
 - ``adam``: ``keras.optimizers.Adam()``;
 - ``thor default``: ``tf_msopt.thor(model)``;
@@ -52,6 +53,7 @@ from timing import emit, machine, time_cases  # noqa: E402
 NEVER = 10**9     # a frequency no timed step reaches (step 0, in the warm-up, refreshes)
 EIGH_FLOPS = 9    # per b^3: a symmetric eigendecomposition with its eigenvectors
 CHECK_FLOPS = 2   # per b^3: P Q, the check whether the previous basis still holds
+WARMUP_REFRESHES = 5   # refresh intervals before timing: 50 steps, the averages filled (40)
 
 
 def _thor_step_model(name):
@@ -147,7 +149,8 @@ def run_model(name, rounds, repeats):
     built = {case: Case(make_model, factory, x, y) for case, factory in cases().items()}
     steps = {case: value.step() for case, value in built.items()}
     frequency = mso.thor.DEFAULTS["frequency"]
-    times = time_cases(steps, rounds, frequency * repeats, warmup=frequency)
+    # Past the moving averages' filling, before which the default decomposes every factor.
+    times = time_cases(steps, rounds, frequency * repeats, warmup=WARMUP_REFRESHES * frequency)
     ms = {case: 1e3 * seconds for case, seconds in times.items()}
     measured = {part: ms[minuend] - ms[subtrahend]
                 for part, (minuend, subtrahend) in PARTS.items()}

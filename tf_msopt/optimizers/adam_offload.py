@@ -97,6 +97,15 @@ def _check_host_device(host_device):
     return host_device
 
 
+def _check_state_dtype(state_dtype):
+    if not isinstance(state_dtype, str):   # (a tf.DType would compare equal to its name)
+        raise TypeError(
+            f"For '{_OWNER}', the type of 'state_dtype' should be 'str' (one of "
+            f"{list(STATE_DTYPES)}), but got type '{type_name(state_dtype)}'."
+        )
+    return check_choice(state_dtype, "state_dtype", _OWNER, STATE_DTYPES)
+
+
 def _check_groups(groups):
     """Validates ``groups`` and returns them with MindSpore's ``lr`` key renamed."""
     if groups is None:
@@ -263,7 +272,7 @@ class AdamOffload(MindSporeOptimizer):
         self.loss_scale = loss_scale
         self.host_device = _check_host_device(host_device)
         self.groups = _check_groups(groups)
-        self.state_dtype = check_choice(state_dtype, "state_dtype", _OWNER, STATE_DTYPES)
+        self.state_dtype = _check_state_dtype(state_dtype)
 
     def build(self, var_list):
         if self.built:

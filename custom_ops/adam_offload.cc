@@ -50,6 +50,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -444,19 +445,81 @@ void Int8BlockScalar(const CompactSpan& s, const AdamHyper<float>& h, int64_t bl
 // Integer and narrow vectors beside each float vector width.
 typedef int32_t I32x16 __attribute__((vector_size(64)));
 typedef uint32_t U32x16 __attribute__((vector_size(64)));
-typedef int8_t I8x16 __attribute__((vector_size(16)));
-typedef uint8_t U8x16 __attribute__((vector_size(16)));
-typedef uint16_t U16x16 __attribute__((vector_size(32)));
 typedef int32_t I32x8 __attribute__((vector_size(32)));
 typedef uint32_t U32x8 __attribute__((vector_size(32)));
-typedef int8_t I8x8 __attribute__((vector_size(8)));
-typedef uint8_t U8x8 __attribute__((vector_size(8)));
-typedef uint16_t U16x8 __attribute__((vector_size(16)));
 typedef int32_t I32x4 __attribute__((vector_size(16)));
 typedef uint32_t U32x4 __attribute__((vector_size(16)));
 typedef int8_t I8x4 __attribute__((vector_size(4)));
 typedef uint8_t U8x4 __attribute__((vector_size(4)));
 typedef uint16_t U16x4 __attribute__((vector_size(8)));
+
+// Widening loads and narrowing stores of codes and bfloat16 bits (the compilers scalarise
+// __builtin_convertvector between int8 and int32 vectors; SSE2, the last resort, keeps it).
+#define MSOPT_TARGET_INLINE(TARGET) __attribute__((target(TARGET), always_inline)) inline
+MSOPT_TARGET_INLINE("avx512f") I32x16 LoadI8Avx512(const int8_t* p) {
+  return (I32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MSOPT_TARGET_INLINE("avx512f") I32x16 LoadU8Avx512(const uint8_t* p) {
+  return (I32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MSOPT_TARGET_INLINE("avx512f") U32x16 LoadU16Avx512(const uint16_t* p) {
+  return (U32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <typename Byte>
+MSOPT_TARGET_INLINE("avx512f") void StoreBytesAvx512(Byte* p, I32x16 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
+}
+MSOPT_TARGET_INLINE("avx512f") void StoreU16Avx512(uint16_t* p, U32x16 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v));
+}
+MSOPT_TARGET_INLINE("avx2") I32x8 LoadI8Avx2(const int8_t* p) {
+  return (I32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+MSOPT_TARGET_INLINE("avx2") I32x8 LoadU8Avx2(const uint8_t* p) {
+  return (I32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+MSOPT_TARGET_INLINE("avx2") U32x8 LoadU16Avx2(const uint16_t* p) {
+  return (U32x8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+// Codes fit int16 and the target type: saturating packs keep them; the 64-bit permute
+// gathers each 128-bit lane's half.
+template <typename Byte>
+MSOPT_TARGET_INLINE("avx2") void StoreBytesAvx2(Byte* p, I32x8 v) {
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32((__m256i)v, (__m256i)v),
+                                                 0x08);
+  const __m128i low = _mm256_castsi256_si128(words);
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(p), std::is_signed<Byte>::value
+                                                      ? _mm_packs_epi16(low, low)
+                                                      : _mm_packus_epi16(low, low));
+}
+MSOPT_TARGET_INLINE("avx2") void StoreU16Avx2(uint16_t* p, U32x8 v) {
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)v, (__m256i)v),
+                                                 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+inline I32x4 LoadI8Sse2(const int8_t* p) {
+  I8x4 bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, I32x4);
+}
+inline I32x4 LoadU8Sse2(const uint8_t* p) {
+  U8x4 bytes;
+  __builtin_memcpy(&bytes, p, sizeof(bytes));
+  return __builtin_convertvector(bytes, I32x4);
+}
+inline U32x4 LoadU16Sse2(const uint16_t* p) {
+  U16x4 words;
+  __builtin_memcpy(&words, p, sizeof(words));
+  return __builtin_convertvector(words, U32x4);
+}
+template <typename Byte>
+inline void StoreBytesSse2(Byte* p, I32x4 v) {
+  for (int k = 0; k < 4; ++k) p[k] = Byte(v[k]);
+}
+inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
+  for (int k = 0; k < 4; ++k) p[k] = uint16_t(v[k]);
+}
+#undef MSOPT_TARGET_INLINE
 
 // The scalar functions above on vectors of W lanes, operation for operation: Bf16Span
 // covers [begin, end) up to its tail, Int8Block one whole block (tails included).
@@ -488,17 +551,14 @@ typedef uint16_t U16x4 __attribute__((vector_size(8)));
     }                                                                                \
   }
 
-#define MSOPT_DEFINE_COMPACT_SPANS(SUFFIX, TARGET, VF, VI, VU, VB, VUB, VH, SQRT)       \
+#define MSOPT_DEFINE_COMPACT_SPANS(SUFFIX, TARGET, VF, VI, VU, SQRT)                    \
   __attribute__((target(TARGET))) MSOPT_UNFUSED int64_t Bf16Span##SUFFIX(               \
       const CompactSpan& s, const AdamHyper<float>& h, int64_t begin, int64_t end) {    \
     MSOPT_COMPACT_CONSTANTS(VF)                                                        \
     int64_t i = begin;                                                                 \
     for (; i + kWidth <= end; i += kWidth) {                                           \
-      VH m_bits, v_bits;                                                               \
-      __builtin_memcpy(&m_bits, s.m_bf16 + i, sizeof(VH));                             \
-      __builtin_memcpy(&v_bits, s.v_bf16 + i, sizeof(VH));                             \
-      VF m = (VF)(__builtin_convertvector(m_bits, VU) << 16);                          \
-      VF v = (VF)(__builtin_convertvector(v_bits, VU) << 16);                          \
+      VF m = (VF)(LoadU16##SUFFIX(s.m_bf16 + i) << 16);                                \
+      VF v = (VF)(LoadU16##SUFFIX(s.v_bf16 + i) << 16);                                \
       MSOPT_COMPACT_UPDATE(VF, SQRT)                                                   \
       const VF news[2] = {m, v};                                                       \
       uint16_t* const outs[2] = {s.m_bf16 + i, s.v_bf16 + i};                          \
@@ -506,9 +566,7 @@ typedef uint16_t U16x4 __attribute__((vector_size(8)));
         const VU bits = (VU)news[k];                                                   \
         const VU rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16;                 \
         const VU quiet_nan = ((bits >> 16) & 0x8000) | 0x7FC0;                         \
-        const VH out = __builtin_convertvector(                                        \
-            news[k] != news[k] ? quiet_nan : rounded, VH);                             \
-        __builtin_memcpy(outs[k], &out, sizeof(VH));                                   \
+        StoreU16##SUFFIX(outs[k], news[k] != news[k] ? quiet_nan : rounded);           \
       }                                                                                \
     }                                                                                  \
     return i;                                                                          \
@@ -524,12 +582,8 @@ typedef uint16_t U16x4 __attribute__((vector_size(8)));
     VF m_max = zero, v_max = zero;                                                     \
     int64_t i = base;                                                                  \
     for (; i + kWidth <= end; i += kWidth) {                                           \
-      VB m_bytes;                                                                      \
-      VUB v_bytes;                                                                     \
-      __builtin_memcpy(&m_bytes, s.m_code + i, sizeof(VB));                            \
-      __builtin_memcpy(&v_bytes, s.v_code + i, sizeof(VUB));                           \
-      const VI m_code = __builtin_convertvector(m_bytes, VI);                          \
-      const VI v_code = __builtin_convertvector(v_bytes, VI);                          \
+      const VI m_code = LoadI8##SUFFIX(s.m_code + i);                                  \
+      const VI v_code = LoadU8##SUFFIX(s.v_code + i);                                  \
       const VI m_magnitude = m_code < 0 ? -m_code : m_code;                            \
       VF m = (VF)((VU)(m_magnitude + kMomentOffset) << 20);                            \
       m = (m_magnitude > 0 ? m : zero) * m_scale;                                      \
@@ -568,18 +622,14 @@ typedef uint16_t U16x4 __attribute__((vector_size(8)));
         code = code < 0 ? zero_i : code;                                               \
         codes[k] = code > max_codes[k] ? zero_i + max_codes[k] : code;                 \
       }                                                                                \
-      const VB m_bytes = __builtin_convertvector(m < 0 ? -codes[0] : codes[0], VB);    \
-      const VUB v_bytes = __builtin_convertvector(codes[1], VUB);                      \
-      __builtin_memcpy(s.m_code + i, &m_bytes, sizeof(VB));                            \
-      __builtin_memcpy(s.v_code + i, &v_bytes, sizeof(VUB));                           \
+      StoreBytes##SUFFIX(s.m_code + i, m < 0 ? -codes[0] : codes[0]);                  \
+      StoreBytes##SUFFIX(s.v_code + i, codes[1]);                                      \
     }                                                                                  \
     Int8ScalarEncode(s, base, i, end, m_new, v_new);                                   \
   }
-MSOPT_DEFINE_COMPACT_SPANS(Avx512, "avx512f", __m512, I32x16, U32x16, I8x16, U8x16, U16x16,
-                           _mm512_sqrt_ps)
-MSOPT_DEFINE_COMPACT_SPANS(Avx2, "avx2", __m256, I32x8, U32x8, I8x8, U8x8, U16x8,
-                           _mm256_sqrt_ps)
-MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, I8x4, U8x4, U16x4, _mm_sqrt_ps)
+MSOPT_DEFINE_COMPACT_SPANS(Avx512, "avx512f", __m512, I32x16, U32x16, _mm512_sqrt_ps)
+MSOPT_DEFINE_COMPACT_SPANS(Avx2, "avx2", __m256, I32x8, U32x8, _mm256_sqrt_ps)
+MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, _mm_sqrt_ps)
 #undef MSOPT_DEFINE_COMPACT_SPANS
 #undef MSOPT_COMPACT_UPDATE
 #undef MSOPT_COMPACT_CONSTANTS

@@ -39,7 +39,7 @@ import tensorflow as tf
 from tf_msopt.ops._loader import load_custom_ops
 
 __all__ = ["BLOCK_SIZE", "STATE_DTYPES", "adam_offload_step", "adam_offload_steps",
-           "decode_moments", "scale_shape"]
+           "decode_moments", "host_step_bytes", "scale_shape"]
 
 #: How the moments can be stored: float32 (the arithmetic's dtype), or in fewer bytes.
 STATE_DTYPES = ("float32", "bfloat16", "int8")
@@ -47,6 +47,8 @@ STATE_DTYPES = ("float32", "bfloat16", "int8")
 BLOCK_SIZE = 2048
 #: The dtypes of (m, v) for each compact state_dtype.
 COMPACT_MOMENT_DTYPES = {"bfloat16": (tf.bfloat16, tf.bfloat16), "int8": (tf.int8, tf.uint8)}
+#: Bytes of one stored moment element.
+MOMENT_BYTES = {"float32": 4, "bfloat16": 2, "int8": 1}
 # Offsets of the 8-bit floats' exponents (their top value, 1.0, is code (127 << 3) - offset).
 _MOMENT_OFFSET, _SQUARE_OFFSET = 112 << 3, 96 << 3
 
@@ -169,6 +171,15 @@ def adam_offload_steps(ms, vs, grads, beta1_power, beta2_power, lr, beta1, beta2
         for var, delta in zip(variables, deltas):
             assign_add(var, delta)
         return None
+
+
+def host_step_bytes(state_dtype, sizes):
+    """The memory traffic of one in-place host step (float32 variables on the host) over
+    variables of ``sizes`` elements: w read and written, g read, m and v read and written
+    (28, 20 and 16 bytes a parameter for float32, bfloat16, int8), and int8's scales."""
+    per_element = 3 * 4 + 2 * 2 * MOMENT_BYTES[state_dtype]
+    scales = 2 * 2 * 4 if state_dtype == "int8" else 0   # m's and v's, read and written
+    return sum(n * per_element + scales * -(-n // BLOCK_SIZE) for n in sizes)
 
 
 def scale_shape(shape):

@@ -216,6 +216,36 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MSOPT_X86_SIMD 1
+// The vector loops' shared parts (`h`, `s`, `i` in scope): the constants, and one step of
+// the lanes at i from their moments m and v (left updated) and gradient, writing delta/var.
+#define MSOPT_ADAM_CONSTANTS(VF)                                                   \
+  constexpr int64_t kWidth = sizeof(VF) / sizeof(float);                             \
+  const VF zero = {};                                                                \
+  const VF beta1 = zero + h.beta1, one_minus_beta1 = zero + h.one_minus_beta1;       \
+  const VF beta2 = zero + h.beta2, one_minus_beta2 = zero + h.one_minus_beta2;       \
+  const VF epsilon = zero + h.epsilon, neg_lr_t = zero + h.neg_lr_t;                 \
+  const VF grad_scale = zero + h.grad_scale;
+
+// Updates the decoded moments m and v of lanes [i, i + W) with their gradient; writes delta.
+#define MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                \
+  {                                                                                  \
+    VF g;                                                                            \
+    __builtin_memcpy(&g, s.grad + i, sizeof(VF));                                    \
+    g = g * grad_scale;                                                              \
+    m = m * beta1 + one_minus_beta1 * g;                                             \
+    v = v * beta2 + one_minus_beta2 * g * g;                                         \
+    const VF step = s.nesterov ? m * beta1 + one_minus_beta1 * g : m;                \
+    const VF delta = neg_lr_t * step / (SQRT(v) + epsilon);                          \
+    if (s.var != nullptr) {                                                          \
+      VF var;                                                                        \
+      __builtin_memcpy(&var, s.var + i, sizeof(VF));                                 \
+      var = var + delta;                                                             \
+      __builtin_memcpy(s.var + i, &var, sizeof(VF));                                 \
+    } else {                                                                         \
+      __builtin_memcpy(s.delta + i, &delta, sizeof(VF));                             \
+    }                                                                                \
+  }
+
 // The same arithmetic on float vectors. The compiler cannot vectorise the
 // scalar loop itself: std::sqrt may set errno unless the whole build says
 // -fno-math-errno. Each width is compiled for its instruction set and chosen
@@ -226,33 +256,15 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
 #define MSOPT_DEFINE_SIMD_SPAN(NAME, TARGET, CONTRACT, VEC, SQRT)                 \
   __attribute__((target(TARGET), optimize(CONTRACT))) int64_t NAME(                \
       const AdamSpan<float>& s, const AdamHyper<float>& h) {                        \
-    constexpr int64_t kWidth = sizeof(VEC) / sizeof(float);                        \
-    const VEC zero = {};                                                           \
-    const VEC beta1 = zero + h.beta1, one_minus_beta1 = zero + h.one_minus_beta1;  \
-    const VEC beta2 = zero + h.beta2, one_minus_beta2 = zero + h.one_minus_beta2;  \
-    const VEC epsilon = zero + h.epsilon, neg_lr_t = zero + h.neg_lr_t;            \
-    const VEC grad_scale = zero + h.grad_scale;                                    \
+    MSOPT_ADAM_CONSTANTS(VEC)                                                      \
     int64_t i = 0;                                                                 \
     for (; i + kWidth <= s.size; i += kWidth) {                                    \
-      VEC g, m, v;                                                                 \
-      __builtin_memcpy(&g, s.grad + i, sizeof(VEC));                               \
+      VEC m, v;                                                                    \
       __builtin_memcpy(&m, s.m + i, sizeof(VEC));                                  \
       __builtin_memcpy(&v, s.v + i, sizeof(VEC));                                  \
-      g = g * grad_scale;                                                          \
-      m = m * beta1 + one_minus_beta1 * g;                                         \
-      v = v * beta2 + one_minus_beta2 * g * g;                                     \
+      MSOPT_ADAM_VECTOR_STEP(VEC, SQRT)                                            \
       __builtin_memcpy(s.m + i, &m, sizeof(VEC));                                  \
       __builtin_memcpy(s.v + i, &v, sizeof(VEC));                                  \
-      const VEC step = s.nesterov ? m * beta1 + one_minus_beta1 * g : m;           \
-      const VEC delta = neg_lr_t * step / (SQRT(v) + epsilon);                     \
-      if (s.var != nullptr) {                                                      \
-        VEC var;                                                                   \
-        __builtin_memcpy(&var, s.var + i, sizeof(VEC));                            \
-        var = var + delta;                                                         \
-        __builtin_memcpy(s.var + i, &var, sizeof(VEC));                            \
-      } else {                                                                     \
-        __builtin_memcpy(s.delta + i, &delta, sizeof(VEC));                        \
-      }                                                                            \
     }                                                                              \
     return i;                                                                      \
   }
@@ -456,15 +468,6 @@ typedef uint16_t U16x4 __attribute__((vector_size(8)));
 // Widening loads and narrowing stores of codes and bfloat16 bits (the compilers scalarise
 // __builtin_convertvector between int8 and int32 vectors; SSE2, the last resort, keeps it).
 #define MSOPT_TARGET_INLINE(TARGET) __attribute__((target(TARGET), always_inline)) inline
-MSOPT_TARGET_INLINE("avx512f") I32x16 LoadI8Avx512(const int8_t* p) {
-  return (I32x16)_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-MSOPT_TARGET_INLINE("avx512f") I32x16 LoadU8Avx512(const uint8_t* p) {
-  return (I32x16)_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-MSOPT_TARGET_INLINE("avx512f") U32x16 LoadU16Avx512(const uint16_t* p) {
-  return (U32x16)_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 template <typename Byte>
 MSOPT_TARGET_INLINE("avx512f") void StoreBytesAvx512(Byte* p, I32x16 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8((__m512i)v));
@@ -472,15 +475,29 @@ MSOPT_TARGET_INLINE("avx512f") void StoreBytesAvx512(Byte* p, I32x16 v) {
 MSOPT_TARGET_INLINE("avx512f") void StoreU16Avx512(uint16_t* p, U32x16 v) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16((__m512i)v));
 }
-MSOPT_TARGET_INLINE("avx2") I32x8 LoadI8Avx2(const int8_t* p) {
-  return (I32x8)_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+// LOAD_BYTES(p) loads W bytes, LOAD_WORDS(p) W 16-bit words; the WIDEN_* extend them.
+#define MSOPT_DEFINE_LOADS(SUFFIX, TARGET, VI, VU, LOAD_BYTES, LOAD_WORDS, WIDEN_I8, WIDEN_U8, \
+                           WIDEN_U16)                                                         \
+  MSOPT_TARGET_INLINE(TARGET) VI LoadI8##SUFFIX(const int8_t* p) {                            \
+    return (VI)WIDEN_I8(LOAD_BYTES(reinterpret_cast<const __m128i*>(p)));                     \
+  }                                                                                           \
+  MSOPT_TARGET_INLINE(TARGET) VI LoadU8##SUFFIX(const uint8_t* p) {                           \
+    return (VI)WIDEN_U8(LOAD_BYTES(reinterpret_cast<const __m128i*>(p)));                     \
+  }                                                                                           \
+  MSOPT_TARGET_INLINE(TARGET) VU LoadU16##SUFFIX(const uint16_t* p) {                         \
+    return (VU)WIDEN_U16(LOAD_WORDS(p));                                                      \
+  }
+MSOPT_TARGET_INLINE("avx512f") __m256i LoadWordsAvx512(const uint16_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
 }
-MSOPT_TARGET_INLINE("avx2") I32x8 LoadU8Avx2(const uint8_t* p) {
-  return (I32x8)_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+MSOPT_TARGET_INLINE("avx2") __m128i LoadWordsAvx2(const uint16_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
 }
-MSOPT_TARGET_INLINE("avx2") U32x8 LoadU16Avx2(const uint16_t* p) {
-  return (U32x8)_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
+MSOPT_DEFINE_LOADS(Avx512, "avx512f", I32x16, U32x16, _mm_loadu_si128, LoadWordsAvx512,
+                   _mm512_cvtepi8_epi32, _mm512_cvtepu8_epi32, _mm512_cvtepu16_epi32)
+MSOPT_DEFINE_LOADS(Avx2, "avx2", I32x8, U32x8, _mm_loadl_epi64, LoadWordsAvx2,
+                   _mm256_cvtepi8_epi32, _mm256_cvtepu8_epi32, _mm256_cvtepu16_epi32)
+#undef MSOPT_DEFINE_LOADS
 // Codes fit int16 and the target type: saturating packs keep them; the 64-bit permute
 // gathers each 128-bit lane's half.
 template <typename Byte>
@@ -523,43 +540,15 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
 
 // The scalar functions above on vectors of W lanes, operation for operation: Bf16Span
 // covers [begin, end) up to its tail, Int8Block one whole block (tails included).
-#define MSOPT_COMPACT_CONSTANTS(VF)                                                   \
-  constexpr int64_t kWidth = sizeof(VF) / sizeof(float);                             \
-  const VF zero = {};                                                                \
-  const VF beta1 = zero + h.beta1, one_minus_beta1 = zero + h.one_minus_beta1;       \
-  const VF beta2 = zero + h.beta2, one_minus_beta2 = zero + h.one_minus_beta2;       \
-  const VF epsilon = zero + h.epsilon, neg_lr_t = zero + h.neg_lr_t;                 \
-  const VF grad_scale = zero + h.grad_scale;
-
-// Updates the decoded moments m and v of lanes [i, i + W) with their gradient; writes delta.
-#define MSOPT_COMPACT_UPDATE(VF, SQRT)                                                \
-  {                                                                                  \
-    VF g;                                                                            \
-    __builtin_memcpy(&g, s.grad + i, sizeof(VF));                                    \
-    g = g * grad_scale;                                                              \
-    m = m * beta1 + one_minus_beta1 * g;                                             \
-    v = v * beta2 + one_minus_beta2 * g * g;                                         \
-    const VF step = s.nesterov ? m * beta1 + one_minus_beta1 * g : m;                \
-    const VF delta = neg_lr_t * step / (SQRT(v) + epsilon);                          \
-    if (s.var != nullptr) {                                                          \
-      VF var;                                                                        \
-      __builtin_memcpy(&var, s.var + i, sizeof(VF));                                 \
-      var = var + delta;                                                             \
-      __builtin_memcpy(s.var + i, &var, sizeof(VF));                                 \
-    } else {                                                                         \
-      __builtin_memcpy(s.delta + i, &delta, sizeof(VF));                             \
-    }                                                                                \
-  }
-
 #define MSOPT_DEFINE_COMPACT_SPANS(SUFFIX, TARGET, VF, VI, VU, SQRT)                    \
   __attribute__((target(TARGET))) MSOPT_UNFUSED int64_t Bf16Span##SUFFIX(               \
       const CompactSpan& s, const AdamHyper<float>& h, int64_t begin, int64_t end) {    \
-    MSOPT_COMPACT_CONSTANTS(VF)                                                        \
+    MSOPT_ADAM_CONSTANTS(VF)                                                        \
     int64_t i = begin;                                                                 \
     for (; i + kWidth <= end; i += kWidth) {                                           \
       VF m = (VF)(LoadU16##SUFFIX(s.m_bf16 + i) << 16);                                \
       VF v = (VF)(LoadU16##SUFFIX(s.v_bf16 + i) << 16);                                \
-      MSOPT_COMPACT_UPDATE(VF, SQRT)                                                   \
+      MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                   \
       const VF news[2] = {m, v};                                                       \
       uint16_t* const outs[2] = {s.m_bf16 + i, s.v_bf16 + i};                          \
       for (int k = 0; k < 2; ++k) {                                                    \
@@ -573,7 +562,7 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
   }                                                                                    \
   __attribute__((target(TARGET))) MSOPT_UNFUSED void Int8Block##SUFFIX(                 \
       const CompactSpan& s, const AdamHyper<float>& h, int64_t block) {                 \
-    MSOPT_COMPACT_CONSTANTS(VF)                                                        \
+    MSOPT_ADAM_CONSTANTS(VF)                                                        \
     const int64_t base = block * kBlock, end = std::min(base + kBlock, s.size);        \
     alignas(64) float m_new[kBlock], v_new[kBlock];                                    \
     const VF m_scale = zero + s.m_scale[block], v_scale = zero + s.v_scale[block];     \
@@ -590,7 +579,7 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
       m = m_code < 0 ? -m : m;                                                         \
       VF v = (VF)((VU)(v_code + kSquareOffset) << 20);                                 \
       v = (v_code > 0 ? v : zero) * v_scale;                                           \
-      MSOPT_COMPACT_UPDATE(VF, SQRT)                                                   \
+      MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                   \
       __builtin_memcpy(m_new + (i - base), &m, sizeof(VF));                            \
       __builtin_memcpy(v_new + (i - base), &v, sizeof(VF));                            \
       const VF m_abs = (VF)((VU)m & abs_mask), v_abs = (VF)((VU)v & abs_mask);         \
@@ -631,8 +620,8 @@ MSOPT_DEFINE_COMPACT_SPANS(Avx512, "avx512f", __m512, I32x16, U32x16, _mm512_sqr
 MSOPT_DEFINE_COMPACT_SPANS(Avx2, "avx2", __m256, I32x8, U32x8, _mm256_sqrt_ps)
 MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, _mm_sqrt_ps)
 #undef MSOPT_DEFINE_COMPACT_SPANS
-#undef MSOPT_COMPACT_UPDATE
-#undef MSOPT_COMPACT_CONSTANTS
+#undef MSOPT_ADAM_VECTOR_STEP
+#undef MSOPT_ADAM_CONSTANTS
 #endif  // MSOPT_X86_SIMD
 
 struct CompactKernels {

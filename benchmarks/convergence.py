@@ -20,7 +20,7 @@ Six tasks (``--task``):
   batches of 32 windows of 64 characters, judged by the validation loss (mean
   cross-entropy per character) falling to 2.0.
 
-Four blocks (``--block``), each its own results file:
+Five blocks (``--block``), each its own results file:
 
 * ``tuned``: the grids below.
 * ``defaults``: every optimizer at its documented default, no grid: ``tf_msopt.thor(model)``,
@@ -32,6 +32,10 @@ Four blocks (``--block``), each its own results file:
   task's documented file; kfac-jax's aside), unchanged, on seeds it was not chosen on
   (default 3, 4, 5), beside the default THOR on the same seeds: a best of many settings on
   three seeds is partly the luck of those seeds. Epochs only.
+* ``state_dtype``: ``tf_msopt.AdamOffload()`` with its moments in float32, bfloat16 and int8
+  (``AdamOffload``, ``AdamOffload-bf16``, ``AdamOffload-int8``), every run for
+  ``--max-epochs`` epochs (no stop at the target): each compact state's validation curve
+  (its median over the seeds) against float32's seed-to-seed range, epoch by epoch.
 
 Every optimizer gets its own grid of settings (learning rates; THOR and kfac-jax:
 learning rate x damping) on the same model, data, initial weights and batches,
@@ -52,7 +56,7 @@ importable, the same models are also trained with kfac-jax
 (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
 the same way.
 
-    python benchmarks/convergence.py [--block tuned|defaults|robustness|heldout]
+    python benchmarks/convergence.py [--block tuned|defaults|robustness|heldout|state_dtype]
                                      [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm]
                                      [--optimizers THOR,Adam] [--seeds 0,1,2] [--max-epochs 25]
                                      [--tuned-from results/convergence_mlp.json]
@@ -119,7 +123,11 @@ DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_EPOCHS = 25
 FIRST_ORDER = ("SGD-momentum", "Adam", "Muon")
-BLOCKS = ("tuned", "defaults", "robustness", "heldout")
+BLOCKS = ("tuned", "defaults", "robustness", "heldout", "state_dtype")
+#: The state_dtype block: AdamOffload (its default learning rate) with each way of storing
+#: its moments, every run to --max-epochs (no early stop): validation curves to compare.
+STATE_DTYPE_OPTIMIZERS = {"AdamOffload": "float32", "AdamOffload-bf16": "bfloat16",
+                          "AdamOffload-int8": "int8"}
 DEFAULT_THOR = "default THOR"   # the heldout block's name for tf_msopt.thor(model)
 HELDOUT_SEEDS = "3,4,5"
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -275,7 +283,7 @@ FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
              "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
              "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
 }
-OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax", DEFAULT_THOR)
+OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax", DEFAULT_THOR, *STATE_DTYPE_OPTIMIZERS)
 
 
 # --- data and models
@@ -589,6 +597,11 @@ def block_settings(task, frequency, block, tuned_best=None):
                 for name, make in default_factories().items()}
     if block == "robustness":
         return robustness_settings()
+    if block == "state_dtype":
+        return {name: [("default", {"state_dtype": state_dtype},
+                        lambda seed, state_dtype=state_dtype: lambda model: mso.AdamOffload(
+                            state_dtype=state_dtype))]
+                for name, state_dtype in STATE_DTYPE_OPTIMIZERS.items()}
     raise ValueError(f"unknown block {block!r}; choose from {', '.join(BLOCKS)}")
 
 
@@ -681,7 +694,7 @@ def kfac_jax_runs(task, target, block="tuned"):
     adaptive mode has no learning rate to scale, or heldout, which re-runs THOR and the
     first-order optimizers), or [] when kfac_jax is not importable or does not cover
     ``task``."""
-    if block in ("robustness", "heldout"):
+    if block in ("robustness", "heldout", "state_dtype"):
         return []
     sys.path.insert(0, HERE)
     try:
@@ -718,6 +731,8 @@ def _runners(task, target, frequency, optimizers, block="tuned", tuned_best=None
     """``{optimizer: [(setting label, params, train(data, weights, epochs, batch, seed))]}``
     of ``block``, only those of ``optimizers`` if given."""
     runners = {}
+    if block == "state_dtype":   # whole curves: a target no run reaches
+        target = -math.inf if target_metric(task) == "val_loss" else math.inf
     for name, settings in block_settings(task, frequency, block, tuned_best).items():
         runners[name] = [
             (label, params,
@@ -1104,8 +1119,10 @@ def report(tasks, plot=None):
         retimed = report_retimed(info["retimed"]) if info.get("retimed") else None
         points = report_robustness(results) if block == "robustness" else None
         held = report_heldout(info) if block == "heldout" else None
+        spread = report_state_dtypes(results, metric) if block == "state_dtype" else None
         summary[task] = {
             "block": block, "metric": metric, "robustness": points, "heldout": held,
+            "state_dtype": spread,
             "target": target, "seeds": info.get("seeds"),
             "thor_frequency": info.get("thor_frequency"),
             "best": {name: {**_best_json(*entry), "edge_of_grid": edges[name]}
@@ -1119,6 +1136,31 @@ def report(tasks, plot=None):
     if plot:
         print(f"plot saved to {plot_best(tasks, plot)}")
     return summary
+
+
+def report_state_dtypes(results, metric):
+    """Prints, epoch by epoch, float32 AdamOffload's seed-to-seed range of ``metric`` and
+    whether the median over the seeds of each compact state (bfloat16, int8) lies in it;
+    returns them for the JSON line (None without the float32 runs)."""
+    curves = {name: next(iter(settings.values()))[metric] for name, settings in results.items()
+              if name in STATE_DTYPE_OPTIMIZERS}
+    reference = curves.pop("AdamOffload", None)
+    if reference is None:
+        return None
+    epochs = min(len(curve) for seeds in (reference, *curves.values()) for curve in seeds)
+    low = [min(curve[e] for curve in reference) for e in range(epochs)]
+    high = [max(curve[e] for curve in reference) for e in range(epochs)]
+    out = {"float32_low": low, "float32_high": high}
+    print(f"State dtypes: per epoch, float32's {metric} over its seeds and each compact "
+          f"state's median over its seeds")
+    for name, seeds in curves.items():
+        medians = [median([curve[e] for curve in seeds]) for e in range(epochs)]
+        inside = [lo <= m <= hi for lo, m, hi in zip(low, medians, high)]
+        out[name] = {"median": medians, "epochs_within_float32_spread": sum(inside),
+                     "epochs": epochs}
+        print(f"  {name}: within float32's spread at {sum(inside)} of {epochs} epochs; "
+              f"last epoch {medians[-1]:.4f} (float32 {low[-1]:.4f} to {high[-1]:.4f})")
+    return out
 
 
 def report_robustness(results):

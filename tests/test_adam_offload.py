@@ -393,6 +393,9 @@ def test_lars_and_loss_scale_wrappers(backend):
     (dict(host_device=0), TypeError, "the type of 'host_device' should be 'str'"),
     (dict(host_device="CPU zero"), ValueError, "the 'host_device' must be a device name"),
     (dict(jit_compile=True), ValueError, "the 'jit_compile' must be False"),
+    (dict(state_dtype="float16"), ValueError,
+     "the 'state_dtype' must be one of ['float32', 'bfloat16', 'int8'], but got 'float16'"),
+    (dict(state_dtype=tf.bfloat16), TypeError, "the type of 'state_dtype' should be 'str'"),
     (dict(jit_compile="no"), TypeError, "the type of 'jit_compile' should be 'bool'"),
     (dict(groups={"params": ["a"]}), TypeError, "the 'groups' must be a list of dicts"),
     (dict(groups=[["a"]]), TypeError, "each entry of 'groups' must be a dict"),
@@ -482,3 +485,266 @@ def test_writes_go_through_the_optimizers_assign_methods(in_place, monkeypatch):
     m, v = (moments[0] for moments in optimizer.moments)
     assert ("assign", key(m)) in written and ("assign", key(v)) in written
     np.testing.assert_allclose(weight.numpy(), [0.9, -2.1, 3.1], rtol=1e-5)
+
+
+# -- compact state (state_dtype): the codes, a NumPy reference, the two paths ---------------
+
+BLOCK = 2048
+
+
+def numpy_bfloat16_bits(x):
+    """float32 -> bfloat16 bits, rounded to nearest even (finite values)."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def numpy_bfloat16_value(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def code_table(exponent_bits):
+    """The values of the 8-bit float codes, from their definition: code 0 is 0; code c > 0,
+    c = 8 * e + f (f < 8), is (1 + f / 8) * 2**(e - 2**exponent_bits + 1), the top code 1.0."""
+    top = 2 ** exponent_bits - 1
+    codes = np.arange(8 * top + 1)
+    values = (1 + (codes % 8) / 8) * 2.0 ** (codes // 8 - top)
+    values[0] = 0.0
+    return values.astype(np.float32)
+
+
+MOMENT_TABLE, SQUARE_TABLE = code_table(4), code_table(5)
+
+
+def numpy_encode(units, table):
+    """Each of ``units`` (in [0, 1]) as the index of the nearest table value, ties to the
+    even code, where code 0 stands for 2**-top (its binade's start) when rounding and is
+    stored as 0: whatever rounds to 2**-top or below becomes 0."""
+    units = np.asarray(units, np.float64)
+    rounding = table.astype(np.float64)
+    rounding[0] = table[8] / 2      # 2**-top
+    index = np.clip(np.searchsorted(rounding, units), 1, len(table) - 1)
+    below, above = rounding[index - 1], rounding[index]
+    pick_above = (above - units < units - below) | (
+        (above - units == units - below) & (index % 2 == 0))
+    return np.where(units < rounding[0], 0, np.where(pick_above, index, index - 1))
+
+
+def test_codes_round_to_the_nearest_table_value():
+    """``_encode_unit`` (integer operations on the float bits) picks the nearest 8-bit float
+    of the table defined above; decoding gives the table's values."""
+    from tf_msopt.ops import adam as ops
+    rng = np.random.default_rng(0)
+    for table, offset in ((MOMENT_TABLE, ops._MOMENT_OFFSET), (SQUARE_TABLE, ops._SQUARE_OFFSET)):
+        mid = (table[1:].astype(np.float64) + table[:-1]) / 2
+        units = np.concatenate([table, mid.astype(np.float32), np.float32([0.0, 1.0]),
+                                np.exp(rng.uniform(np.log(table[1] / 4), 0, 20_000)),
+                                rng.uniform(0, 1, 20_000)]).astype(np.float32)
+        got = ops._encode_unit(tf.constant(units), offset).numpy()
+        np.testing.assert_array_equal(got, numpy_encode(units, table))
+        np.testing.assert_array_equal(
+            ops._decode_unit(tf.range(len(table)), offset).numpy(), table)
+        kept = units >= table[8]     # above the flush, the rounding error is half a step
+        assert np.all(got[units <= table[8] * 0.53125] == 0)   # 1.0625 * 2**-top: flushed
+        error = np.abs(table[got[kept]] - units[kept]) / units[kept]
+        assert error.max() <= 2.0 ** -4
+
+
+def numpy_compact_step(state, grad, powers, state_dtype, lr=0.01, beta1=0.9, beta2=0.999,
+                       eps=1e-8, grad_scale=0.5, use_nesterov=False):
+    """One compact step in float32 NumPy, operation for operation as documented in
+    tf_msopt.ops.adam. ``state``: the stored moments (None: zeros); ``powers``: the float32
+    ``(beta1**t, beta2**t)``. Returns ``(delta, new state)``."""
+    f32 = np.float32
+    beta1, beta2, eps, lr, grad_scale = (f32(x) for x in (beta1, beta2, eps, lr, grad_scale))
+    size = grad.size
+    neg_lr_t = -(lr * np.sqrt(f32(1) - powers[1]) / (f32(1) - powers[0]))
+    if state is None:
+        m = v = np.zeros(size, f32)
+    elif state_dtype == "bfloat16":
+        m, v = numpy_bfloat16_value(state["m"]), numpy_bfloat16_value(state["v"])
+    else:
+        m_value = np.sign(state["m"]) * MOMENT_TABLE[np.abs(state["m"].astype(np.int32))]
+        m = (m_value.astype(f32) * np.repeat(state["m_scale"], BLOCK)[:size]).astype(f32)
+        v = SQUARE_TABLE[state["v"]] * np.repeat(state["v_scale"], BLOCK)[:size]
+    g = grad * grad_scale
+    m = m * beta1 + (f32(1) - beta1) * g
+    v = v * beta2 + (f32(1) - beta2) * g * g
+    step = m * beta1 + (f32(1) - beta1) * g if use_nesterov else m
+    delta = neg_lr_t * step / (np.sqrt(v) + eps)
+    if state_dtype == "bfloat16":
+        return delta, {"m": numpy_bfloat16_bits(m), "v": numpy_bfloat16_bits(v)}
+    pad = -size % BLOCK
+    m_blocks, v_blocks = (np.pad(x, (0, pad)).reshape(-1, BLOCK) for x in (m, v))
+    m_scale, v_scale = (np.abs(x).max(axis=1) for x in (m_blocks, v_blocks))
+    with np.errstate(divide="ignore"):
+        m_inverse, v_inverse = (np.where(s > 0, f32(1) / s, f32(0)).astype(f32)
+                                for s in (m_scale, v_scale))
+    m_code = numpy_encode(np.abs(m_blocks) * m_inverse[:, None], MOMENT_TABLE)
+    m_code = np.where(m_blocks < 0, -m_code, m_code).reshape(-1)[:size]
+    v_code = numpy_encode(np.abs(v_blocks) * v_inverse[:, None], SQUARE_TABLE)
+    return delta, {"m": m_code.astype(np.int8), "v": v_code.reshape(-1)[:size].astype(np.uint8),
+                   "m_scale": m_scale, "v_scale": v_scale}
+
+
+def compact_variables(state_dtype, size):
+    from tf_msopt.ops.adam import COMPACT_MOMENT_DTYPES, scale_shape
+    m_dtype, v_dtype = COMPACT_MOMENT_DTYPES[state_dtype]
+    m, v = tf.Variable(tf.zeros(size, m_dtype)), tf.Variable(tf.zeros(size, v_dtype))
+    scales = None
+    if state_dtype == "int8":
+        scales = tuple(tf.Variable(tf.zeros(scale_shape([size]))) for _ in range(2))
+    return m, v, scales
+
+
+def stored_state(m, v, scales):
+    """The stored moments as NumPy arrays (flat), bfloat16 as their bits."""
+    m, v = (np.asarray(x.numpy()).ravel() for x in (m, v))
+    if m.dtype != np.int8:
+        return {"m": m.view(np.uint16), "v": v.view(np.uint16)}
+    return {"m": m, "v": v, "m_scale": np.asarray(scales[0]), "v_scale": np.asarray(scales[1])}
+
+
+def spread_gradients(rng, size, steps):
+    """Gradients over many orders of magnitude (so codes use their whole range)."""
+    return [(rng.normal(size=size) * np.exp(rng.normal(size=size) * 3)).astype(np.float32)
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("use_nesterov", [False, True])
+def test_compact_step_equals_numpy_reference(state_dtype, use_nesterov, backend):
+    """Four steps (quantise, update, dequantise) on 5,003 elements (three int8 blocks, the
+    last partial): the stored bits, codes and scales equal the NumPy reference exactly;
+    ``delta`` to a few ulp."""
+    size = 5003
+    rng = np.random.default_rng(5)
+    grads = spread_gradients(rng, size, 4)
+    m, v, scales = compact_variables(state_dtype, size)
+    step = tf.function(adam_offload_step)
+    deltas = [step(m, v, tf.constant(g), 0.9 ** t, 0.999 ** t, 0.01, 0.9, 0.999, 1e-8, 0.5,
+                   use_nesterov=use_nesterov, state_dtype=state_dtype, scales=scales).numpy()
+              for t, g in enumerate(grads, start=1)]
+    want, want_deltas = None, []
+    for t, grad in enumerate(grads, start=1):
+        delta, want = numpy_compact_step(want, grad, (np.float32(0.9 ** t), np.float32(0.999 ** t)),
+                                         state_dtype, use_nesterov=use_nesterov)
+        want_deltas.append(delta)
+    got = stored_state(m, v, scales)
+    for key, value in got.items():
+        np.testing.assert_array_equal(value, want[key], err_msg=key)
+    for got_delta, want_delta in zip(deltas, want_deltas):
+        np.testing.assert_allclose(got_delta, want_delta, rtol=2e-6, atol=0)
+    if state_dtype == "int8":   # the codes use their range: m both signs, v many binades
+        assert len(np.unique(got["m"])) > 150 and len(np.unique(got["v"])) > 150
+
+
+def run_compact_grouped_steps(backend, monkeypatch, state_dtype, in_place, use_nesterov,
+                              sizes=(1, 17, 0, 4096, 10_003, 40)):
+    use_backend(monkeypatch, backend)
+    rng = np.random.default_rng(13)
+    state = [compact_variables(state_dtype, n) for n in sizes]
+    ms, vs, scales = zip(*state)
+    scales = None if state_dtype == "bfloat16" else [list(s) for s in zip(*scales)]
+    weights = [tf.Variable(rng.normal(size=n).astype(np.float32)) for n in sizes]
+    step = tf.function(adam_offload_steps)
+    for t in (1, 2, 3):
+        grads = [tf.constant(g) for g in (spread_gradients(rng, n, 1)[0] for n in sizes)]
+        deltas = step(list(ms), list(vs), grads, 0.9 ** t, 0.999 ** t, 0.01, 0.9, 0.999, 1e-8,
+                      0.25, use_nesterov=use_nesterov, variables=weights if in_place else None,
+                      state_dtype=state_dtype, scales=scales)
+    ops = {op.type for op in step.get_concrete_function(
+        list(ms), list(vs), grads, 0.9, 0.999, 0.01, 0.9, 0.999, 1e-8, 0.25,
+        use_nesterov=use_nesterov, variables=weights if in_place else None,
+        state_dtype=state_dtype, scales=scales).graph.get_operations()}
+    stored = [stored_state(m, v, None if scales is None else (scales[0][i], scales[1][i]))
+              for i, (m, v) in enumerate(zip(ms, vs))]
+    return [x.numpy() for x in (weights if in_place else deltas)], stored, ops
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.parametrize("in_place", [False, True])
+@pytest.mark.parametrize("use_nesterov", [False, True])
+def test_compact_kernel_and_pure_tf_store_the_same_bits(state_dtype, in_place, use_nesterov,
+                                                        monkeypatch):
+    """One kernel call for variables of several sizes (vector loops with tails, an empty
+    variable, blocks split over shards) against the pure-TF path: the same stored bits,
+    codes and scales (nothing in either path fuses a multiply-add); weights and deltas
+    within 1e-6 of the largest."""
+    got, got_state, ops = run_compact_grouped_steps("kernel", monkeypatch, state_dtype,
+                                                    in_place, use_nesterov)
+    want, want_state, plain_ops = run_compact_grouped_steps("pure_tf", monkeypatch,
+                                                            state_dtype, in_place, use_nesterov)
+    kind = "MsOptAdamOffloadCompact" + ("Updates" if in_place else "Deltas")
+    assert kind in ops and not any(name.startswith("MsOpt") for name in plain_ops)
+    for got_entry, want_entry in zip(got_state, want_state):
+        for key in want_entry:
+            np.testing.assert_array_equal(got_entry[key], want_entry[key], err_msg=key)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.max(np.abs(w), initial=0.0))
+
+
+def test_compact_step_contract_errors():
+    m, v, scales = compact_variables("int8", 3)
+    scalars = (0.9, 0.999, 0.1, 0.9, 0.999, 1e-8)
+    with pytest.raises(ValueError, match="needs 'scales'"):
+        adam_offload_step(m, v, tf.ones(3), *scalars, state_dtype="int8")
+    with pytest.raises(TypeError, match="takes 'm' of dtype int8, 'v' of dtype uint8"):
+        adam_offload_step(v, m, tf.ones(3), *scalars, state_dtype="int8", scales=scales)
+    with pytest.raises(ValueError, match=r"float32 of shape \(1,\)"):
+        adam_offload_step(m, v, tf.ones(3), *scalars, state_dtype="int8",
+                          scales=(tf.Variable(tf.zeros(2)), tf.Variable(tf.zeros(2))))
+    with pytest.raises(ValueError, match="'state_dtype' must be one of"):
+        adam_offload_step(m, v, tf.ones(3), *scalars, state_dtype="int4")
+
+
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_optimizer_with_compact_state_equals_numpy_reference(state_dtype, backend):
+    """Nesterov, L2 weight decay (not on 'gamma') and a loss scale, three steps, a variable
+    of two int8 blocks and a small one: the weights and the stored moments equal the float32
+    NumPy reference (weights to 1e-6, moments exactly)."""
+    rng = np.random.default_rng(21)
+    init = [rng.normal(size=(40, 75)).astype(np.float32), rng.normal(size=5).astype(np.float32)]
+    paths = ["fc/kernel", "bn/gamma"]
+    weights = [variable(w, p) for w, p in zip(init, paths)]
+    loss_scale, weight_decay = 8.0, 0.01
+    opt = mso.AdamOffload(0.05, use_nesterov=True, weight_decay=weight_decay,
+                          loss_scale=loss_scale, state_dtype=state_dtype)
+    grads = [[spread_gradients(rng, w.size, 1)[0].reshape(w.shape) * loss_scale for w in init]
+             for _ in range(3)]
+    for step in grads:
+        opt.apply([tf.constant(g) for g in step], weights)
+    assert [m.dtype for m in opt.moments[0] + opt.moments[1]] == (
+        ["bfloat16"] * 4 if state_dtype == "bfloat16" else ["int8"] * 2 + ["uint8"] * 2)
+
+    beta_powers = (np.float32(1), np.float32(1))
+    want = [w.ravel().copy() for w in init]
+    state = [None, None]
+    for step in grads:
+        beta_powers = (beta_powers[0] * np.float32(0.9), beta_powers[1] * np.float32(0.999))
+        for i, (decay, g) in enumerate(zip([weight_decay * loss_scale, 0.0], step)):
+            total = want[i] * np.float32(decay) + g.ravel() if decay else g.ravel()
+            delta, state[i] = numpy_compact_step(
+                state[i], total.astype(np.float32), beta_powers, state_dtype, lr=0.05,
+                grad_scale=1.0 / loss_scale, use_nesterov=True)
+            want[i] = (want[i] + delta).astype(np.float32)
+    for i, w in enumerate(weights):
+        np.testing.assert_allclose(w.numpy().ravel(), want[i], rtol=1e-6, atol=1e-7)
+        got = stored_state(opt.moments[0][i], opt.moments[1][i],
+                           None if state_dtype == "bfloat16" else
+                           [scales[i].numpy() for scales in opt.moment_scales])
+        for key in got:
+            np.testing.assert_array_equal(got[key], state[i][key], err_msg=key)
+
+
+def test_compact_state_config_and_sizes():
+    opt = mso.AdamOffload(state_dtype="int8")
+    assert opt.get_config()["state_dtype"] == "int8"
+    assert keras.optimizers.deserialize(keras.optimizers.serialize(opt)).state_dtype == "int8"
+    config = mso.AdamOffload().get_config()
+    del config["state_dtype"]    # a file written before state_dtype existed
+    assert mso.AdamOffload.from_config(config).state_dtype == "float32"
+    w = variable(np.zeros((3, 2049)), "d/kernel")
+    opt.build([w])
+    assert [tuple(s.shape) for s in opt.moment_scales[0] + opt.moment_scales[1]] == [(4,), (4,)]

@@ -18,12 +18,13 @@ def backend(request, monkeypatch):
     return request.param
 
 
-def make_optimizer(host_device="/CPU:0"):
+def make_optimizer(host_device="/CPU:0", state_dtype="float32"):
     """Every feature that carries state: decay, Nesterov, loss scale, a group, a schedule."""
     return mso.AdamOffload(
         learning_rate=keras.optimizers.schedules.CosineDecay(0.02, decay_steps=16), beta1=0.8,
         use_nesterov=True, weight_decay=1e-3, loss_scale=4.0, host_device=host_device,
-        groups=[{"params": ["head/"], "learning_rate": 0.01, "weight_decay": 0.0}])
+        groups=[{"params": ["head/"], "learning_rate": 0.01, "weight_decay": 0.0}],
+        state_dtype=state_dtype)
 
 
 def compiled_mlp(optimizer, **compile_kwargs):
@@ -93,6 +94,46 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
     restarted.fit(x, y, batch_size=16, epochs=3, shuffle=False, verbose=0, callbacks=[backup])
     assert int(restarted.optimizer.iterations.numpy()) == 12
     for got, want in zip(restarted.get_weights(), uninterrupted.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+def test_compact_state_mirrored_equals_one_device_and_checkpoints_in_its_dtype(
+        state_dtype, backend, two_cpu_strategy, tmp_path):
+    """Every stateful feature, compact moments: two replicas give one device's weights (to
+    the rounding of the all-reduced gradients' sum, 1e-5) and, one step ahead, a stored
+    moment that differs by at most one code (a bfloat16 ulp; an int8 level of the same
+    block scale); a checkpoint holds the moments in their dtype and a restored optimizer
+    continues exactly."""
+    x, y = regression_data()
+    one = compiled_mlp(make_optimizer(state_dtype=state_dtype))
+    with two_cpu_strategy.scope():
+        mirrored = compiled_mlp(make_optimizer(state_dtype=state_dtype))
+    for model in (one, mirrored):
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(mirrored.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(host_state(mirrored.optimizer), host_state(one.optimizer)):
+        got, want = got.numpy(), want.numpy()
+        if got.dtype == np.float32:   # beta powers, int8 scales
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=0)
+        else:
+            got, want = (np.asarray(x).view(np.uint16).astype(np.int64) if x.dtype.itemsize == 2
+                         else x.astype(np.int64) for x in (got, want))
+            assert np.abs(got - want).max() <= 1 and np.mean(got != want) < 0.1
+
+    path = tf.train.Checkpoint(model=one, optimizer=one.optimizer).write(str(tmp_path / "c"))
+    stored = [dtype.name for dtype in
+              tf.train.load_checkpoint(path).get_variable_to_dtype_map().values()]
+    want = {"bfloat16": 8} if state_dtype == "bfloat16" else {"int8": 4, "uint8": 4}
+    assert {name: stored.count(name) for name in want} == want   # m and v of 4 variables
+    one.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    restored = compiled_mlp(make_optimizer(state_dtype=state_dtype))
+    restored.optimizer.build(restored.trainable_variables)
+    tf.train.Checkpoint(model=restored, optimizer=restored.optimizer).read(
+        path).assert_consumed()
+    restored.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(restored.get_weights(), one.get_weights()):
         np.testing.assert_array_equal(got, want)
 
 

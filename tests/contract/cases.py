@@ -42,6 +42,12 @@ BASE = {
     "lars_adam": (_lars(lambda lr, **kw: keras.optimizers.Adam(lr, beta_2=0.99, epsilon=1e-3,
                                                                **kw), 0.01), False),
     "adam_offload": (lambda model, **kw: mso.AdamOffload(0.01, **kw), True),
+    # Moments in fewer bytes (another kernel, and int8 codes that any change of a moment
+    # by one ulp could move: every equivalence below must hold bit for bit in the moments).
+    "adam_offload_bf16": (lambda model, **kw: mso.AdamOffload(0.01, state_dtype="bfloat16",
+                                                              **kw), True),
+    "adam_offload_int8": (lambda model, **kw: mso.AdamOffload(0.01, state_dtype="int8", **kw),
+                          True),
     "thor": (_thor, True),
 }
 

@@ -5,8 +5,19 @@ import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import in_xla_context, register
-from tf_msopt._validation import check_bool, check_float, check_number_range, type_name
-from tf_msopt.ops.adam import adam_offload_steps
+from tf_msopt._validation import (
+    check_bool,
+    check_choice,
+    check_float,
+    check_number_range,
+    type_name,
+)
+from tf_msopt.ops.adam import (
+    COMPACT_MOMENT_DTYPES,
+    STATE_DTYPES,
+    adam_offload_steps,
+    scale_shape,
+)
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     check_filter,
@@ -84,6 +95,15 @@ def _check_host_device(host_device):
             f"{host_device!r} ({err})."
         )
     return host_device
+
+
+def _check_state_dtype(state_dtype):
+    if not isinstance(state_dtype, str):   # (a tf.DType would compare equal to its name)
+        raise TypeError(
+            f"For '{_OWNER}', the type of 'state_dtype' should be 'str' (one of "
+            f"{list(STATE_DTYPES)}), but got type '{type_name(state_dtype)}'."
+        )
+    return check_choice(state_dtype, "state_dtype", _OWNER, STATE_DTYPES)
 
 
 def _check_groups(groups):
@@ -171,8 +191,24 @@ class AdamOffload(MindSporeOptimizer):
     ``w += delta`` run on the variable's device, so the optimizer keeps no
     state in accelerator memory. For ``float16`` / ``bfloat16`` variables the
     moments and the host arithmetic are ``float32`` (half precision cannot hold
-    the second moment or ``eps``), and ``delta`` is rounded on adding it. A variable that lives on the host itself is
-    updated in the same pass. Under ``tf.distribute`` one copy of the state is
+    the second moment or ``eps``), and ``delta`` is rounded on adding it. A variable that
+    lives on the host itself is updated in the same pass.
+
+    ``state_dtype`` stores the moments in fewer bytes, the arithmetic staying
+    float32: ``"bfloat16"`` (the new moments rounded to nearest even: 20 bytes
+    of memory traffic a parameter per step instead of 28, 4 bytes of state
+    instead of 8) or ``"int8"`` (8-bit codes of blocks of 2048 elements, each
+    with a float32 scale, Dettmers et al.'s block-wise quantization: about 16
+    bytes of traffic and 2 of state)::
+
+        m, v  = decode(stored m, v)                 # before the step
+        ...   = the step above, in float32          # delta from the new m and v
+        stored m, v = encode(m, v)                  # after it
+
+    For int8, ``encode`` divides each block by its largest ``|m|`` (largest
+    ``v``) and rounds the quotient to the nearest 8-bit float with 3 fraction
+    bits (m: a sign and 4 exponent bits, stored as int8; v: 5 exponent bits,
+    uint8); ``tf_msopt.ops.adam`` defines it exactly. Under ``tf.distribute`` one copy of the state is
     kept and ``delta`` is computed once, then added on every replica.
 
     Weight decay (L2, added to the gradient, as in MindSpore) applies to
@@ -192,6 +228,8 @@ class AdamOffload(MindSporeOptimizer):
         loss_scale: float > 0; gradients are divided by it (MindSpore's static
             loss scale: the loss was multiplied by it).
         host_device: where the moments live and the update is computed.
+        state_dtype: how the moments are stored: ``"float32"`` (the variable's
+            dtype for float64 variables), ``"bfloat16"`` or ``"int8"``.
         groups: per-group settings, MindSpore's grouped parameters: a list of
             dicts with ``params`` (a list of regular expressions searched in
             ``variable.path``, or a callable ``f(keras.Variable) -> bool``) and
@@ -207,13 +245,14 @@ class AdamOffload(MindSporeOptimizer):
         Kingma, Ba. Adam: A Method for Stochastic Optimization. ICLR 2015.
         Ren et al. ZeRO-Offload: Democratizing Billion-Scale Model Training.
         USENIX ATC 2021.
+        Dettmers et al. 8-bit Optimizers via Block-wise Quantization. ICLR 2022.
     """
 
     default_name_stem = "adam_offload"
 
     def __init__(self, learning_rate=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, use_locking=False,
                  use_nesterov=False, weight_decay=0.0, loss_scale=1.0, host_device="/CPU:0",
-                 groups=None, name=None, jit_compile=None, **kwargs):
+                 groups=None, state_dtype="float32", name=None, jit_compile=None, **kwargs):
         if jit_compile is not None and check_bool(jit_compile, "jit_compile", _OWNER):
             raise ValueError(
                 f"For '{_OWNER}', the 'jit_compile' must be False: the update runs on the host "
@@ -233,6 +272,7 @@ class AdamOffload(MindSporeOptimizer):
         self.loss_scale = loss_scale
         self.host_device = _check_host_device(host_device)
         self.groups = _check_groups(groups)
+        self.state_dtype = _check_state_dtype(state_dtype)
 
     def build(self, var_list):
         if self.built:
@@ -260,14 +300,24 @@ class AdamOffload(MindSporeOptimizer):
             self._group_index.append(group)
             # MindSpore adds (weight_decay * loss_scale) * w to the still-scaled gradient.
             self._decay_factors.append(decay * self.loss_scale)
+        # Half-precision variables get float32 host arithmetic (float16 cannot hold Adam's
+        # second moment or eps), as compact state does; the delta is cast on adding it.
+        self._host_dtypes = [
+            tf.as_dtype(_HOST_DTYPES.get(v.dtype, v.dtype) if self.state_dtype == "float32"
+                        else "float32") for v in var_list]
+        moment_dtypes = COMPACT_MOMENT_DTYPES.get(self.state_dtype)
         with tf.device(self.host_device), tf.variable_creator_scope(_single_copy_variable):
-            # Half-precision variables get float32 moments and host arithmetic (float16
-            # cannot hold Adam's second moment or eps); the delta is cast on adding it.
             self._moment1, self._moment2 = (
-                [self.add_variable(v.shape, dtype=_HOST_DTYPES.get(v.dtype, v.dtype),
+                [self.add_variable(v.shape, dtype=moment_dtypes[k] if moment_dtypes else host,
                                    name=slot_name(v, slot))
-                 for v in var_list]
-                for slot in ("moment1", "moment2"))
+                 for v, host in zip(var_list, self._host_dtypes)]
+                for k, slot in enumerate(("moment1", "moment2")))
+            # int8 codes' scales: one per block of each moment (none for other dtypes).
+            self._scales = [
+                [self.add_variable(scale_shape(v.shape), dtype="float32",
+                                   name=slot_name(v, f"{slot}_scale"))
+                 for v in var_list] if self.state_dtype == "int8" else [None] * len(var_list)
+                for slot in ("moment1", "moment2")]
             # MindSpore's running products beta**t (float32), and the step they are at.
             self._beta1_power, self._beta2_power = (
                 self.add_variable((), initializer="ones", dtype="float32", name=name)
@@ -276,8 +326,15 @@ class AdamOffload(MindSporeOptimizer):
 
     @property
     def moments(self):
-        """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``."""
+        """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``, as
+        stored (``state_dtype``): ``tf_msopt.ops.adam.decode_moments`` gives their values."""
         return self._moment1, self._moment2
+
+    @property
+    def moment_scales(self):
+        """The ``(moment1, moment2)`` lists of the int8 codes' scales (Nones for other
+        ``state_dtype``)."""
+        return tuple(self._scales)
 
     def decay_weights(self, variables):
         """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
@@ -347,13 +404,13 @@ class AdamOffload(MindSporeOptimizer):
         for position, (gradient, copies) in enumerate(updates):
             variable = copies[0]
             index = compat.variable_index(self, variable)
-            dtype = self._moment1[index].dtype   # float32 for half-precision variables
+            dtype = self._host_dtypes[index]   # float32 for half precision and compact state
             grad = tf.cast(tf.convert_to_tensor(gradient), dtype)  # IndexedSlices: dense
             decay = self._decay_factors[index]
             if decay:
                 with tf.device(variable.device):
                     grad = tf.cast(variable, dtype) * tf.cast(decay, dtype) + grad
-            in_place = (len(copies) == 1 and variable.dtype == dtype
+            in_place = (len(copies) == 1 and tf.as_dtype(variable.dtype) == dtype
                         and _same_device(variable.device, self.host_device))
             batches.setdefault((self._group_index[index], dtype, in_place), []).append(
                 (position, index, grad, variable))
@@ -361,13 +418,16 @@ class AdamOffload(MindSporeOptimizer):
         for (group, _, in_place), batch in batches.items():
             positions, indices, grads, variables = zip(*batch)
             beta1_power, beta2_power, lr = scalars[group]
+            compact = self.state_dtype != "float32"
             found = adam_offload_steps(
                 [self._moment1[i].value for i in indices],
                 [self._moment2[i].value for i in indices], grads, beta1_power, beta2_power,
                 lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
                 use_nesterov=self.use_nesterov, use_locking=self.use_locking,
                 variables=variables if in_place else None, assign=self.assign,
-                assign_add=self.assign_add)
+                assign_add=self.assign_add, state_dtype=self.state_dtype if compact else None,
+                scales=[[scales[i].value for i in indices] for scales in self._scales]
+                if self.state_dtype == "int8" else None)
             for position, delta in zip(positions, found or ()):
                 deltas[position] = delta
         return deltas
@@ -385,6 +445,7 @@ class AdamOffload(MindSporeOptimizer):
             "weight_decay": self.weight_decay,
             "loss_scale": self.loss_scale,
             "host_device": self.host_device,
+            "state_dtype": self.state_dtype,
             "groups": [self._group_config(index, group) for index, group in
                        enumerate(self.groups)],
         })

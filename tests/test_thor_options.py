@@ -720,3 +720,20 @@ def test_loss_scale_optimizers_leave_g_unscaled(options, wrappers):
         weights, state = run(wrap)
         assert_weights_close(weights, plain, rtol=1e-5)
         assert_states_close(state, plain_state, rtol=1e-5)
+
+
+def test_statistics_rows_counts_every_channel_of_a_depthwise_layer():
+    """A depthwise layer's output holds each channel's outputs side by side: 8 examples of
+    2 x 2 positions and 3 channels, ``statistics_rows=8`` keeps every 4th example (8 rows),
+    not every 12th."""
+    model = keras.Sequential([keras.Input((6, 6, 3)),
+                              keras.layers.DepthwiseConv2D(3, strides=2, name="depthwise"),
+                              keras.layers.Flatten(), keras.layers.Dense(2, name="head")])
+    optimizer = mso.thor(model, statistics_rows=8)
+    model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    model.train_on_batch(rng.normal(size=(8, 6, 6, 3)).astype("float32"),
+                         rng.normal(size=(8, 2)).astype("float32"))
+    rows = {buffer.block.layer: float(buffer.rows.numpy())
+            for buffer in optimizer._connection.statistics}
+    assert rows == {"depthwise": 8.0, "head": 8.0}

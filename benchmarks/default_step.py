@@ -48,7 +48,7 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from convergence import build_model  # noqa: E402
-from thor_step import Case  # noqa: E402
+from thor_step import BUILDERS, Case  # noqa: E402
 from timing import emit, machine, time_cases  # noqa: E402
 
 NEVER = 10**9     # a frequency no timed step reaches (step 0, in the warm-up, refreshes)
@@ -59,7 +59,6 @@ WARMUP_REFRESHES = 5   # refresh intervals before timing: 50 steps, the averages
 
 def _thor_step_model(name):
     def make():
-        from thor_step import BUILDERS
         args = argparse.Namespace(batch=16 if name == "resnet50" else 32, classes=10,
                                   sequence=64, vocab=1000)
         model, x, title = BUILDERS[name](args, np.random.default_rng(0))
@@ -122,19 +121,18 @@ def forward_flops(model, x):
 
 def thor_flops(optimizer):
     """``{part: flops per step}`` of THOR's statistics, rotation and refresh (amortised)."""
-    options = optimizer.options
+    options, preconditioner = optimizer.options, optimizer.preconditioner
     flops = dict.fromkeys(PARTS, 0.0)
     buffers = optimizer._connection.statistics
     for layer, buffer in zip(optimizer._estimator.layers, buffers):
         block, rows = layer.block, float(buffer.rows.numpy())
-        sides = [(block.g_layout(options.block_size), block.a_dim, True)]
-        a_shape = block.factor_shapes(options.block_size)[0]
-        if len(a_shape) == 3:
-            sides.append((block.a_layout(options.block_size), block.g_dim,
-                          layer.a_eigenvectors is not None))
-        for layout, other, rotated in sides:
+        sides = zip((block.a_layout(options.block_size), block.g_layout(options.block_size)),
+                    (block.g_dim, block.a_dim), preconditioner.statistics_shapes(block),
+                    preconditioner.rotated_sides(block))
+        for layout, other, shape, rotated in sides:
             dim, size = layout.dim, layout.size
-            flops["statistics"] += 2 * rows * dim * size
+            if len(shape) == 3:    # a diagonal A, or a factor left unestimated, costs ~0
+                flops["statistics"] += 2 * rows * dim * size
             if rotated:
                 flops["rotation"] += 4 * dim * size * other
                 flops["refresh"] += ((EIGH_FLOPS + CHECK_FLOPS) * layout.count * size**3

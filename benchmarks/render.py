@@ -1,5 +1,5 @@
-"""Renders the benchmark tables of docs/performance.md, docs/convergence.md, docs/thor.md and
-docs/thor_measurements.md from benchmarks/results/.
+"""Renders the benchmark tables of docs/performance.md, docs/convergence.md, docs/thor.md,
+docs/thor_measurements.md and docs/adam_offload.md from benchmarks/results/.
 
 Each table sits between two marker comments in a page::
 
@@ -28,7 +28,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", page)
-         for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md")]
+         for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md",
+                      "adam_offload.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
@@ -88,6 +89,8 @@ ROOFLINE_NAMES = {
     "lars_sgd_momentum": "LARS(SGD momentum), two-pass kernel",
     "keras_sgd_momentum": "Keras SGD(momentum=0.9), for comparison",
     "adam_offload_host_update": "AdamOffload host update (in place)",
+    "adam_offload_host_update_bf16": "AdamOffload host update, bfloat16 moments",
+    "adam_offload_host_update_int8": "AdamOffload host update, int8 moments",
     "thor_stale_precondition": "THOR stale-step preconditioning `A_inv g G_inv` "
                                "(784-512-512-10 MLP, blocks of 128)",
     "thor_inverse": "THOR block inverse, 64 blocks of 128, custom op",
@@ -140,6 +143,8 @@ def render_update_step(results):
 
 ADAM_NAMES = {
     "adam_offload": "AdamOffload (variables on the host, one in-place pass, 28 bytes/param)",
+    "adam_offload_bf16": "the same, `state_dtype=\"bfloat16\"` (20 bytes/param)",
+    "adam_offload_int8": "the same, `state_dtype=\"int8\"` (16 bytes/param)",
     "adam_offload_host_kernel": "AdamOffload host kernel alone (m, v, delta: 24 bytes/param)",
     "adam_offload_delta_path": "AdamOffload, offload path (state on a second logical CPU)",
     "adam_offload_pure_tf": "AdamOffload pure-TF path",
@@ -161,9 +166,12 @@ def _adam_columns(files, results):
     rows = [[ADAM_NAMES[case]] + [f"{run['ms_per_step'][case]:.2f}"
                                   if case in run["ms_per_step"] else "" for _, run in columns]
             for case in cases]
-    rows.append(["AdamOffload throughput vs DeepSpeed"] + [
-        _x(run["ms_per_step"]["deepspeed_cpu_adam"] / run["ms_per_step"]["adam_offload"])
-        for _, run in columns])
+    for case, moments in (("adam_offload", ""), ("adam_offload_bf16", ", bfloat16 moments"),
+                          ("adam_offload_int8", ", int8 moments")):
+        if any(case in run["ms_per_step"] for _, run in columns):
+            rows.append([f"AdamOffload{moments} throughput vs DeepSpeed"] + [
+                _x(run["ms_per_step"]["deepspeed_cpu_adam"] / run["ms_per_step"][case])
+                if case in run["ms_per_step"] else "" for _, run in columns])
     notes = payloads[0]["runs"]["default"].get("notes", {})
     versions = ", ".join(f"{k} {v}" for k, v in notes.items())
     return (table(["case (ms/step)"] + [label for label, _ in columns], rows)
@@ -301,6 +309,36 @@ def render_loss_scale_step(results):
 
 
 # --- convergence
+
+STATE_DTYPE_RUNS = {"AdamOffload": "float32", "AdamOffload-bf16": "bfloat16",
+                    "AdamOffload-int8": "int8"}
+
+
+def render_state_dtype(results):
+    """The character LM's validation loss per epoch: float32 AdamOffload's range over its
+    seeds beside each compact state's median over its seeds."""
+    name = results_file("charlm", "state_dtype")
+    r = load(name, results)["tasks"]["charlm"]
+    curves = {dtype: next(iter(r["runs"][run].values()))["val_loss"]
+              for run, dtype in STATE_DTYPE_RUNS.items()}
+    epochs = min(len(curve) for seeds in curves.values() for curve in seeds)
+    rows, inside = [], {"bfloat16": 0, "int8": 0}
+    for epoch in range(epochs):
+        low, high = (f(curve[epoch] for curve in curves["float32"]) for f in (min, max))
+        row = [epoch + 1, f"{low:.4f} to {high:.4f}"]
+        for dtype in inside:
+            value = median(curve[epoch] for curve in curves[dtype])
+            inside[dtype] += low <= value <= high
+            row.append(f"{value:.4f}" + (" (below)" if value < low else
+                                         " (above)" if value > high else ""))
+        rows.append(row)
+    seeds = ", ".join(str(seed) for seed in r["seeds"])
+    return (table(["epoch", "float32: range over the seeds", "bfloat16: median",
+                   "int8: median"], rows)
+            + f"\nSeeds {seeds}; batch {r['batch_size']}. Inside float32's range at "
+            + f"{inside['bfloat16']} of {epochs} epochs (bfloat16) and {inside['int8']} of "
+            + f"{epochs} (int8).\n" + machine_line(r, files=[name]))
+
 
 def results_file(task, block="tuned"):
     """The file of ``benchmarks/results/`` that holds convergence.py's ``block`` of ``task``."""
@@ -573,6 +611,7 @@ TABLES = {  # name: (renderer, the results files it reads)
                                [results_file(task, "robustness") for task in ALL_TASKS]),
     "convergence_heldout": (render_convergence_heldout,
                             [results_file(task, "heldout") for task in ALL_TASKS]),
+    "state_dtype": (render_state_dtype, [results_file("charlm", "state_dtype")]),
 }
 OPTIONAL = sorted({results_file(task) for task in NEW_TASKS}
                   | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})

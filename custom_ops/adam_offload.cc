@@ -34,22 +34,27 @@
 // with one float32 scale per block (the block's largest |m|, largest v):
 // m / scale -> int8 code sign * EncodeUnit(|x|, 3 exponent-bias steps below),
 // v / scale -> uint8 code EncodeUnit(x). EncodeUnit rounds x in [0, 1] to
-// nearest (ties to even) among the 8-bit floats with 3 fraction bits whose
+// nearest (ties away from zero) among the 8-bit floats with 3 fraction bits whose
 // largest value is 1.0 (4 exponent bits for m: x below about 2^-15 becomes 0;
 // 5 for v: below about 2^-31), using only integer operations on x's bits.
-// Each block is decoded, updated and re-encoded from an L1 buffer: one pass
-// over memory. Nothing in these loops fuses multiply-adds, and the pure-TF
-// path does the same operations in the same order, so both give the same
-// moments and the same codes, bit for bit (delta: up to sqrt's rounding).
+// Each block is decoded, updated and re-encoded from an L1 buffer, its codes
+// written while the next block is updated: one pass over memory. Nothing in
+// these loops fuses multiply-adds into the moments, and the pure-TF path does
+// the same operations in the same order, so both give the same moments and the
+// same codes, bit for bit (delta within a few ulp: the AVX-512 and AVX2 loops
+// divide by a refined reciprocal estimate). TF_MSOPT_ADAM_ISA caps the
+// instruction set.
 
 #define EIGEN_USE_THREADS
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <string>
 #include <type_traits>
 #include <vector>
 
@@ -216,6 +221,51 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define MSOPT_X86_SIMD 1
+// numerator / (sqrt(v) + epsilon), each operation rounded: QUOTIENT of the vector step.
+#define MSOPT_DEFINE_EXACT_QUOTIENT(NAME, TARGET, VF, SQRT)                                 \
+  __attribute__((target(TARGET), always_inline)) inline VF NAME(VF numerator, VF v,        \
+                                                                 VF epsilon) {              \
+    return numerator / (SQRT(v) + epsilon);                                                \
+  }
+MSOPT_DEFINE_EXACT_QUOTIENT(ExactQuotientAvx512, "avx512f", __m512, _mm512_sqrt_ps)
+MSOPT_DEFINE_EXACT_QUOTIENT(ExactQuotientAvx2, "avx2", __m256, _mm256_sqrt_ps)
+MSOPT_DEFINE_EXACT_QUOTIENT(ExactQuotientSse2, "sse2", __m128, _mm_sqrt_ps)
+#undef MSOPT_DEFINE_EXACT_QUOTIENT
+
+// The same quotient with the division replaced by AVX-512's 14-bit reciprocal estimate,
+// refined by one Newton step (within 2 ulp of the rounded quotient). vsqrtps and vdivps share
+// one divider, which for the two together is slower than the rest of a compact step; the
+// square root alone keeps up with it. A vector whose denominator is not a normal float
+// (v inf or NaN, or epsilon not normal) takes the rounded division.
+__attribute__((target("avx512f,avx512dq"), always_inline)) inline __m512 FastQuotientAvx512(
+    __m512 numerator, __m512 v, __m512 epsilon) {
+  const __m512 denominator = _mm512_add_ps(_mm512_sqrt_ps(v), epsilon);
+  constexpr int kNotNormal = 0x01 | 0x02 | 0x04 | 0x08 | 0x10 | 0x20 | 0x80;
+  if (_mm512_fpclass_ps_mask(denominator, kNotNormal) != 0) {
+    return _mm512_div_ps(numerator, denominator);
+  }
+  __m512 reciprocal = _mm512_rcp14_ps(denominator);   // x += x * (1 - d * x)
+  reciprocal = _mm512_fmadd_ps(_mm512_fnmadd_ps(denominator, reciprocal, _mm512_set1_ps(1.0f)),
+                               reciprocal, reciprocal);
+  return _mm512_mul_ps(numerator, reciprocal);
+}
+
+// The same with AVX2's 12-bit estimate, whose one Newton step, without FMA, leaves the
+// quotient within a few ulp of the rounded one.
+__attribute__((target("avx2"), always_inline)) inline __m256 FastQuotientAvx2(
+    __m256 numerator, __m256 v, __m256 epsilon) {
+  const __m256 denominator = _mm256_add_ps(_mm256_sqrt_ps(v), epsilon);
+  const __m256 smallest = _mm256_set1_ps(std::numeric_limits<float>::min());
+  const __m256 largest = _mm256_set1_ps(std::numeric_limits<float>::max());
+  const __m256 normal = _mm256_and_ps(_mm256_cmp_ps(denominator, smallest, _CMP_GE_OQ),
+                                      _mm256_cmp_ps(denominator, largest, _CMP_LE_OQ));
+  if (_mm256_movemask_ps(normal) != 0xFF) return _mm256_div_ps(numerator, denominator);
+  const __m256 estimate = _mm256_rcp_ps(denominator);   // x * (2 - d * x)
+  const __m256 reciprocal = _mm256_mul_ps(
+      estimate, _mm256_sub_ps(_mm256_set1_ps(2.0f), _mm256_mul_ps(denominator, estimate)));
+  return _mm256_mul_ps(numerator, reciprocal);
+}
+
 // The vector loops' shared parts (`h`, `s`, `i` in scope): the constants, and one step of
 // the lanes at i from their moments m and v (left updated) and gradient, writing delta/var.
 #define MSOPT_ADAM_CONSTANTS(VF)                                                   \
@@ -227,15 +277,15 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
   const VF grad_scale = zero + h.grad_scale;
 
 // Updates the decoded moments m and v of lanes [i, i + W) with their gradient; writes delta.
-#define MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                \
+#define MSOPT_ADAM_VECTOR_STEP(VF, QUOTIENT)                                              \
   {                                                                                  \
     VF g;                                                                            \
     __builtin_memcpy(&g, s.grad + i, sizeof(VF));                                    \
-    g = g * grad_scale;                                                              \
+    if (h.grad_scale != 1.0f) g = g * grad_scale;  /* (g * 1 is g) */                 \
     m = m * beta1 + one_minus_beta1 * g;                                             \
     v = v * beta2 + one_minus_beta2 * g * g;                                         \
     const VF step = s.nesterov ? m * beta1 + one_minus_beta1 * g : m;                \
-    const VF delta = neg_lr_t * step / (SQRT(v) + epsilon);                          \
+    const VF delta = QUOTIENT(neg_lr_t * step, v, epsilon);                          \
     if (s.var != nullptr) {                                                          \
       VF var;                                                                        \
       __builtin_memcpy(&var, s.var + i, sizeof(VF));                                 \
@@ -253,7 +303,7 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
 // CONTRACT is "fp-contract=fast" for targets with FMA (products fused into the
 // following sum, one rounding fewer and fewer instructions), "fp-contract=off"
 // otherwise. Returns where the scalar tail starts.
-#define MSOPT_DEFINE_SIMD_SPAN(NAME, TARGET, CONTRACT, VEC, SQRT)                 \
+#define MSOPT_DEFINE_SIMD_SPAN(NAME, TARGET, CONTRACT, VEC, QUOTIENT)                 \
   __attribute__((target(TARGET), optimize(CONTRACT))) int64_t NAME(                \
       const AdamSpan<float>& s, const AdamHyper<float>& h) {                        \
     MSOPT_ADAM_CONSTANTS(VEC)                                                      \
@@ -262,45 +312,67 @@ void ScalarSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, int64_t begin) {
       VEC m, v;                                                                    \
       __builtin_memcpy(&m, s.m + i, sizeof(VEC));                                  \
       __builtin_memcpy(&v, s.v + i, sizeof(VEC));                                  \
-      MSOPT_ADAM_VECTOR_STEP(VEC, SQRT)                                            \
+      MSOPT_ADAM_VECTOR_STEP(VEC, QUOTIENT)                                        \
       __builtin_memcpy(s.m + i, &m, sizeof(VEC));                                  \
       __builtin_memcpy(s.v + i, &v, sizeof(VEC));                                  \
     }                                                                              \
     return i;                                                                      \
   }
-MSOPT_DEFINE_SIMD_SPAN(Avx512Span, "avx512f", "fp-contract=fast", __m512, _mm512_sqrt_ps)
-MSOPT_DEFINE_SIMD_SPAN(Avx2FmaSpan, "avx2,fma", "fp-contract=fast", __m256, _mm256_sqrt_ps)
-MSOPT_DEFINE_SIMD_SPAN(Avx2Span, "avx2", "fp-contract=off", __m256, _mm256_sqrt_ps)
-MSOPT_DEFINE_SIMD_SPAN(Sse2Span, "sse2", "fp-contract=off", __m128, _mm_sqrt_ps)
+MSOPT_DEFINE_SIMD_SPAN(Avx512Span, "avx512f", "fp-contract=fast", __m512, ExactQuotientAvx512)
+MSOPT_DEFINE_SIMD_SPAN(Avx2FmaSpan, "avx2,fma", "fp-contract=fast", __m256, ExactQuotientAvx2)
+MSOPT_DEFINE_SIMD_SPAN(Avx2Span, "avx2", "fp-contract=off", __m256, ExactQuotientAvx2)
+MSOPT_DEFINE_SIMD_SPAN(Sse2Span, "sse2", "fp-contract=off", __m128, ExactQuotientSse2)
 #undef MSOPT_DEFINE_SIMD_SPAN
 #endif  // x86-64
 
+enum class Isa { kScalar = 0, kSse2 = 1, kAvx2 = 2, kAvx512 = 3 };
+
+// The widest instruction set the CPU has for these loops, capped by TF_MSOPT_ADAM_ISA
+// ("avx2", "sse2" or "scalar"; read at every call, so tests can run each of them).
+Isa SelectIsa() {
+#ifdef MSOPT_X86_SIMD
+  static const Isa best =
+      __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") ? Isa::kAvx512
+      : __builtin_cpu_supports("avx2")                                        ? Isa::kAvx2
+                                                                              : Isa::kSse2;
+#else
+  static const Isa best = Isa::kScalar;
+#endif
+  const char* cap = std::getenv("TF_MSOPT_ADAM_ISA");
+  if (cap == nullptr) return best;
+  const std::string name(cap);
+  const Isa wanted = name == "scalar" ? Isa::kScalar
+                     : name == "sse2" ? Isa::kSse2
+                     : name == "avx2" ? Isa::kAvx2
+                                      : best;
+  return std::min(wanted, best);
+}
+
 template <typename T>
-void RunSpan(const AdamSpan<T>& s, const AdamHyper<T>& h) {
+void RunSpan(const AdamSpan<T>& s, const AdamHyper<T>& h, Isa) {
   ScalarSpan(s, h, 0);  // float64: the plain loop
 }
 
 template <>
-void RunSpan<float>(const AdamSpan<float>& s, const AdamHyper<float>& h) {
+void RunSpan<float>(const AdamSpan<float>& s, const AdamHyper<float>& h, Isa isa) {
+  int64_t tail = 0;
 #ifdef MSOPT_X86_SIMD
-  static const bool has_avx512 = __builtin_cpu_supports("avx512f");
-  static const bool has_avx2 = __builtin_cpu_supports("avx2");
   static const bool has_fma = __builtin_cpu_supports("fma");
-  const int64_t tail = has_avx512            ? Avx512Span(s, h)
-                       : has_avx2 && has_fma ? Avx2FmaSpan(s, h)
-                       : has_avx2            ? Avx2Span(s, h)
-                                             : Sse2Span(s, h);
-  ScalarSpan(s, h, tail);
-#else
-  ScalarSpan(s, h, 0);
+  switch (isa) {
+    case Isa::kAvx512: tail = Avx512Span(s, h); break;
+    case Isa::kAvx2: tail = has_fma ? Avx2FmaSpan(s, h) : Avx2Span(s, h); break;
+    case Isa::kSse2: tail = Sse2Span(s, h); break;
+    case Isa::kScalar: break;
+  }
 #endif
+  ScalarSpan(s, h, tail);
 }
 
 // The spans of shard [begin, end) of the N ranges laid end to end (`starts`: the
 // first element of each range, then the total).
 template <typename T>
 void RunShard(const std::vector<AdamSpan<T>>& spans, const std::vector<int64_t>& starts,
-              const AdamHyper<T>& h, int64_t begin, int64_t end) {
+              const AdamHyper<T>& h, Isa isa, int64_t begin, int64_t end) {
   size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
   for (; i < spans.size() && starts[i] < end; ++i) {
     const int64_t first = std::max(begin, starts[i]) - starts[i];
@@ -313,7 +385,7 @@ void RunShard(const std::vector<AdamSpan<T>>& spans, const std::vector<int64_t>&
     if (shard.var != nullptr) shard.var += first;
     if (shard.delta != nullptr) shard.delta += first;
     shard.size = last - first;
-    RunSpan(shard, h);
+    RunSpan(shard, h, isa);
   }
 }
 
@@ -364,11 +436,12 @@ inline uint16_t FloatToBf16(float x) {
   return uint16_t((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
 }
 
-// x in [0, 1] to the nearest 8-bit float with 3 fraction bits (ties to even): float32's
-// exponent and top 3 fraction bits, rounded, less `offset` (which puts 1.0 at the top).
+// x in [0, 1] to the nearest 8-bit float with 3 fraction bits (ties away from zero):
+// float32's exponent and top 3 fraction bits, rounded, less `offset` (which puts 1.0 at the
+// top). The offset is subtracted before the (arithmetic) shift, which is exact and leaves
+// below-range values negative: one add and one shift.
 inline int32_t EncodeUnit(float x, int32_t offset, int32_t max_code) {
-  const uint32_t bits = FloatBits(x);
-  const int32_t code = int32_t((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - offset;
+  const int32_t code = int32_t(FloatBits(x) + uint32_t(0x80000 - (offset << 20))) >> 20;
   return std::min(std::max(code, 0), max_code);
 }
 
@@ -413,18 +486,19 @@ MSOPT_UNFUSED void Bf16Scalar(const CompactSpan& s, const AdamHyper<float>& h, i
 
 // One int8 block in two steps over an L1 buffer (`m_new`, `v_new`: indexed from the
 // block's first element `base`): decode and update elements [begin, end), tracking the
-// largest |m| and v; then encode [begin, end) against the block's new scales.
+// largest |m| and v (as bits, which order non-negative floats as their values, with NaN
+// above all); then encode [begin, end) against the block's new scales.
 MSOPT_UNFUSED void Int8ScalarUpdate(const CompactSpan& s, const AdamHyper<float>& h, int64_t base,
                                     int64_t begin, int64_t end, float* m_new, float* v_new,
-                                    float* m_max, float* v_max) {
+                                    uint32_t* m_max, uint32_t* v_max) {
   const float m_scale = s.m_scale[base / kBlock], v_scale = s.v_scale[base / kBlock];
   for (int64_t i = begin; i < end; ++i) {
     float m = DecodeMoment(s.m_code[i], m_scale), v = DecodeSquare(s.v_code[i], v_scale);
     CompactElement(s, h, i, m, v);
     m_new[i - base] = m;
     v_new[i - base] = v;
-    *m_max = std::max(*m_max, std::fabs(m));
-    *v_max = std::max(*v_max, std::fabs(v));
+    *m_max = std::max(*m_max, FloatBits(m) & 0x7FFFFFFFu);
+    *v_max = std::max(*v_max, FloatBits(v) & 0x7FFFFFFFu);
   }
 }
 
@@ -444,13 +518,17 @@ MSOPT_UNFUSED void Int8ScalarEncode(const CompactSpan& s, int64_t base, int64_t 
   }
 }
 
-void Int8BlockScalar(const CompactSpan& s, const AdamHyper<float>& h, int64_t block) {
-  const int64_t base = block * kBlock, end = std::min(base + kBlock, s.size);
-  float m_new[kBlock], v_new[kBlock], m_max = 0.0f, v_max = 0.0f;
-  Int8ScalarUpdate(s, h, base, base, end, m_new, v_new, &m_max, &v_max);
-  s.m_scale[block] = m_max;
-  s.v_scale[block] = v_max;
-  Int8ScalarEncode(s, base, base, end, m_new, v_new);
+void Int8BlocksScalar(const CompactSpan& s, const AdamHyper<float>& h, int64_t first,
+                      int64_t last) {
+  for (int64_t block = first; block < last; ++block) {
+    const int64_t base = block * kBlock, end = std::min(base + kBlock, s.size);
+    float m_new[kBlock], v_new[kBlock];
+    uint32_t m_max = 0, v_max = 0;
+    Int8ScalarUpdate(s, h, base, base, end, m_new, v_new, &m_max, &v_max);
+    s.m_scale[block] = BitsFloat(m_max);
+    s.v_scale[block] = BitsFloat(v_max);
+    Int8ScalarEncode(s, base, base, end, m_new, v_new);
+  }
 }
 
 #ifdef MSOPT_X86_SIMD
@@ -538,17 +616,76 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
 }
 #undef MSOPT_TARGET_INLINE
 
+// Loads of the lines kPrefetchAhead elements on, in every stream a compact step reads: with
+// this much arithmetic per byte the out-of-order window alone keeps too few misses in flight
+// to reach the memory bandwidth.
+constexpr int64_t kPrefetchAhead = 1024;
+#define MSOPT_PREFETCH_STREAMS(MOMENT_M, MOMENT_V)                                     \
+  {                                                                                  \
+    const int64_t ahead = i + kPrefetchAhead;                                        \
+    __builtin_prefetch(s.grad + ahead);                                              \
+    __builtin_prefetch(s.var != nullptr ? s.var + ahead : s.delta + ahead, 1);       \
+    __builtin_prefetch(MOMENT_M + ahead, 1);                                         \
+    __builtin_prefetch(MOMENT_V + ahead, 1);                                         \
+  }
+
+// One vector of an int8 block at element i (`base` its first element): decodes the moments,
+// steps them, keeps them in m_new / v_new and their largest magnitudes (as bits: integer
+// maxima, since the float unit is the busier one) in m_max / v_max.
+#define MSOPT_INT8_UPDATE(SUFFIX, VF, VI, VU, QUOTIENT)                                 \
+  {                                                                                  \
+    MSOPT_PREFETCH_STREAMS(s.m_code, s.v_code)                                       \
+    const VI m_code = LoadI8##SUFFIX(s.m_code + i);                                  \
+    const VI v_code = LoadU8##SUFFIX(s.v_code + i);                                  \
+    const VI m_magnitude = m_code < 0 ? -m_code : m_code;                            \
+    VF m = (VF)((VU)(m_magnitude + kMomentOffset) << 20);                            \
+    m = (m_magnitude > 0 ? m : zero) * m_scale;                                      \
+    m = (VF)((VU)m | ((VU)m_code & 0x80000000u));  /* the code's sign */              \
+    VF v = (VF)((VU)(v_code + kSquareOffset) << 20);                                 \
+    v = (v_code > 0 ? v : zero) * v_scale;                                           \
+    MSOPT_ADAM_VECTOR_STEP(VF, QUOTIENT)                                               \
+    __builtin_memcpy(m_new + (i - base), &m, sizeof(VF));                            \
+    __builtin_memcpy(v_new + (i - base), &v, sizeof(VF));                            \
+    const VU m_bits = (VU)m & abs_mask, v_bits = (VU)v & abs_mask;                   \
+    m_max = m_max > m_bits ? m_max : m_bits;                                         \
+    v_max = v_max > v_bits ? v_max : v_bits;                                         \
+  }
+
+// The codes of one vector of the pending block at element j, from m_pending / v_pending
+// (indexed from pending_base) and that block's inverse scales.
+#define MSOPT_INT8_ENCODE(SUFFIX, VF, VI, VU)                                          \
+  {                                                                                  \
+    VF m, v;                                                                         \
+    __builtin_memcpy(&m, m_pending + (j - pending_base), sizeof(VF));                \
+    __builtin_memcpy(&v, v_pending + (j - pending_base), sizeof(VF));                \
+    const VF units[2] = {(VF)((VU)m & abs_mask) * m_inverse,                         \
+                         (VF)((VU)v & abs_mask) * v_inverse};                        \
+    const int32_t offsets[2] = {kMomentOffset, kSquareOffset};                       \
+    const int32_t max_codes[2] = {kMomentMaxCode, kSquareMaxCode};                   \
+    VI codes[2];                                                                     \
+    for (int k = 0; k < 2; ++k) {                                                    \
+      VI code = ((VI)units[k] + (0x80000 - (offsets[k] << 20))) >> 20;               \
+      code = code < 0 ? zero_i : code;                                               \
+      codes[k] = code > max_codes[k] ? zero_i + max_codes[k] : code;                 \
+    }                                                                                \
+    StoreBytes##SUFFIX(s.m_code + j, m < 0 ? -codes[0] : codes[0]);                  \
+    StoreBytes##SUFFIX(s.v_code + j, codes[1]);                                      \
+  }
+
 // The scalar functions above on vectors of W lanes, operation for operation: Bf16Span
-// covers [begin, end) up to its tail, Int8Block one whole block (tails included).
-#define MSOPT_DEFINE_COMPACT_SPANS(SUFFIX, TARGET, VF, VI, VU, SQRT)                    \
+// covers [begin, end) up to its tail, Int8Blocks the blocks [first, last) of one
+// variable (tails included).
+#define MSOPT_DEFINE_COMPACT_SPANS(SUFFIX, TARGET, VF, VI, VU, QUOTIENT)                  \
   __attribute__((target(TARGET))) MSOPT_UNFUSED int64_t Bf16Span##SUFFIX(               \
-      const CompactSpan& s, const AdamHyper<float>& h, int64_t begin, int64_t end) {    \
+      const CompactSpan& span, const AdamHyper<float>& h, int64_t begin, int64_t end) { \
+    const CompactSpan s = span;  /* a local copy: the stores cannot change its fields */ \
     MSOPT_ADAM_CONSTANTS(VF)                                                        \
     int64_t i = begin;                                                                 \
     for (; i + kWidth <= end; i += kWidth) {                                           \
+      MSOPT_PREFETCH_STREAMS(s.m_bf16, s.v_bf16)                                       \
       VF m = (VF)(LoadU16##SUFFIX(s.m_bf16 + i) << 16);                                \
       VF v = (VF)(LoadU16##SUFFIX(s.v_bf16 + i) << 16);                                \
-      MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                   \
+      MSOPT_ADAM_VECTOR_STEP(VF, QUOTIENT)                                               \
       const VF news[2] = {m, v};                                                       \
       uint16_t* const outs[2] = {s.m_bf16 + i, s.v_bf16 + i};                          \
       for (int k = 0; k < 2; ++k) {                                                    \
@@ -560,66 +697,65 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
     }                                                                                  \
     return i;                                                                          \
   }                                                                                    \
-  __attribute__((target(TARGET))) MSOPT_UNFUSED void Int8Block##SUFFIX(                 \
-      const CompactSpan& s, const AdamHyper<float>& h, int64_t block) {                 \
+  __attribute__((target(TARGET))) MSOPT_UNFUSED void Int8Blocks##SUFFIX(                \
+      const CompactSpan& span, const AdamHyper<float>& h, int64_t first, int64_t last) { \
+    const CompactSpan s = span;                                                        \
     MSOPT_ADAM_CONSTANTS(VF)                                                        \
-    const int64_t base = block * kBlock, end = std::min(base + kBlock, s.size);        \
-    alignas(64) float m_new[kBlock], v_new[kBlock];                                    \
-    const VF m_scale = zero + s.m_scale[block], v_scale = zero + s.v_scale[block];     \
     const VI zero_i = {};                                                              \
     const VU abs_mask = (VU)zero_i + 0x7FFFFFFFu;                                      \
-    VF m_max = zero, v_max = zero;                                                     \
-    int64_t i = base;                                                                  \
-    for (; i + kWidth <= end; i += kWidth) {                                           \
-      const VI m_code = LoadI8##SUFFIX(s.m_code + i);                                  \
-      const VI v_code = LoadU8##SUFFIX(s.v_code + i);                                  \
-      const VI m_magnitude = m_code < 0 ? -m_code : m_code;                            \
-      VF m = (VF)((VU)(m_magnitude + kMomentOffset) << 20);                            \
-      m = (m_magnitude > 0 ? m : zero) * m_scale;                                      \
-      m = m_code < 0 ? -m : m;                                                         \
-      VF v = (VF)((VU)(v_code + kSquareOffset) << 20);                                 \
-      v = (v_code > 0 ? v : zero) * v_scale;                                           \
-      MSOPT_ADAM_VECTOR_STEP(VF, SQRT)                                                   \
-      __builtin_memcpy(m_new + (i - base), &m, sizeof(VF));                            \
-      __builtin_memcpy(v_new + (i - base), &v, sizeof(VF));                            \
-      const VF m_abs = (VF)((VU)m & abs_mask), v_abs = (VF)((VU)v & abs_mask);         \
-      m_max = m_max > m_abs ? m_max : m_abs;                                           \
-      v_max = v_max > v_abs ? v_max : v_abs;                                           \
-    }                                                                                  \
-    float m_top = 0.0f, v_top = 0.0f;                                                  \
-    for (int k = 0; k < kWidth; ++k) {                                                 \
-      m_top = std::max(m_top, m_max[k]);                                               \
-      v_top = std::max(v_top, v_max[k]);                                               \
-    }                                                                                  \
-    Int8ScalarUpdate(s, h, base, i, end, m_new, v_new, &m_top, &v_top);                \
-    s.m_scale[block] = m_top;                                                          \
-    s.v_scale[block] = v_top;                                                          \
-    const VF m_inverse = zero + InverseScale(m_top);                                   \
-    const VF v_inverse = zero + InverseScale(v_top);                                   \
-    for (i = base; i + kWidth <= end; i += kWidth) {                                   \
-      VF m, v;                                                                         \
-      __builtin_memcpy(&m, m_new + (i - base), sizeof(VF));                            \
-      __builtin_memcpy(&v, v_new + (i - base), sizeof(VF));                            \
-      const VF units[2] = {(VF)((VU)m & abs_mask) * m_inverse,                         \
-                           (VF)((VU)v & abs_mask) * v_inverse};                        \
-      const int32_t offsets[2] = {kMomentOffset, kSquareOffset};                       \
-      const int32_t max_codes[2] = {kMomentMaxCode, kSquareMaxCode};                   \
-      VI codes[2];                                                                     \
-      for (int k = 0; k < 2; ++k) {                                                    \
-        const VU bits = (VU)units[k];                                                  \
-        VI code = (VI)((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - offsets[k];      \
-        code = code < 0 ? zero_i : code;                                               \
-        codes[k] = code > max_codes[k] ? zero_i + max_codes[k] : code;                 \
+    alignas(64) float buffers[2][2][kBlock];   /* [block % 2][m, v] */                 \
+    VF m_inverse = zero, v_inverse = zero;     /* the pending block's */               \
+    for (int64_t block = first; block <= last; ++block) {                              \
+      /* The previous block's codes are written while this one is updated (its whole */ \
+      /* vectors, lane for lane): the encoding, which touches no memory outside L1, */  \
+      /* then overlaps the next block's loads. */                                     \
+      const bool pending = block > first;                                              \
+      const int64_t base = block * kBlock, end = std::min(base + kBlock, s.size);      \
+      const int64_t pending_base = base - kBlock, pending_end = std::min(base, s.size); \
+      const float* const m_pending = buffers[(block - 1) & 1][0];                      \
+      const float* const v_pending = buffers[(block - 1) & 1][1];                      \
+      if (pending && (block == last || end - base < kBlock)) {                         \
+        int64_t j = pending_base;                                                      \
+        for (; j + kWidth <= pending_end; j += kWidth) {                               \
+          MSOPT_INT8_ENCODE(SUFFIX, VF, VI, VU)                                        \
+        }                                                                              \
+        if (j < pending_end) {                                                         \
+          Int8ScalarEncode(s, pending_base, j, pending_end, m_pending, v_pending);      \
+        }                                                                              \
       }                                                                                \
-      StoreBytes##SUFFIX(s.m_code + i, m < 0 ? -codes[0] : codes[0]);                  \
-      StoreBytes##SUFFIX(s.v_code + i, codes[1]);                                      \
+      if (block == last) break;                                                        \
+      float* const m_new = buffers[block & 1][0];                                      \
+      float* const v_new = buffers[block & 1][1];                                      \
+      const VF m_scale = zero + s.m_scale[block], v_scale = zero + s.v_scale[block];   \
+      VU m_max = (VU)zero_i, v_max = (VU)zero_i;                                       \
+      int64_t i = base;                                                                \
+      if (pending && end - base == kBlock) {                                           \
+        for (int64_t j = pending_base; i < end; i += kWidth, j += kWidth) {            \
+          MSOPT_INT8_UPDATE(SUFFIX, VF, VI, VU, QUOTIENT)                              \
+          MSOPT_INT8_ENCODE(SUFFIX, VF, VI, VU)                                        \
+        }                                                                              \
+      }                                                                                \
+      for (; i + kWidth <= end; i += kWidth) {                                         \
+        MSOPT_INT8_UPDATE(SUFFIX, VF, VI, VU, QUOTIENT)                                \
+      }                                                                                \
+      uint32_t m_top = 0, v_top = 0;                                                   \
+      for (int k = 0; k < kWidth; ++k) {                                               \
+        m_top = std::max(m_top, m_max[k]);                                             \
+        v_top = std::max(v_top, v_max[k]);                                             \
+      }                                                                                \
+      if (i < end) Int8ScalarUpdate(s, h, base, i, end, m_new, v_new, &m_top, &v_top); \
+      s.m_scale[block] = BitsFloat(m_top);                                             \
+      s.v_scale[block] = BitsFloat(v_top);                                             \
+      m_inverse = zero + InverseScale(BitsFloat(m_top));                               \
+      v_inverse = zero + InverseScale(BitsFloat(v_top));                               \
     }                                                                                  \
-    Int8ScalarEncode(s, base, i, end, m_new, v_new);                                   \
   }
-MSOPT_DEFINE_COMPACT_SPANS(Avx512, "avx512f", __m512, I32x16, U32x16, _mm512_sqrt_ps)
-MSOPT_DEFINE_COMPACT_SPANS(Avx2, "avx2", __m256, I32x8, U32x8, _mm256_sqrt_ps)
-MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, _mm_sqrt_ps)
+MSOPT_DEFINE_COMPACT_SPANS(Avx512, "avx512f,avx512dq", __m512, I32x16, U32x16, FastQuotientAvx512)
+MSOPT_DEFINE_COMPACT_SPANS(Avx2, "avx2", __m256, I32x8, U32x8, FastQuotientAvx2)
+MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, ExactQuotientSse2)
 #undef MSOPT_DEFINE_COMPACT_SPANS
+#undef MSOPT_INT8_ENCODE
+#undef MSOPT_INT8_UPDATE
 #undef MSOPT_ADAM_VECTOR_STEP
 #undef MSOPT_ADAM_CONSTANTS
 #endif  // MSOPT_X86_SIMD
@@ -627,36 +763,38 @@ MSOPT_DEFINE_COMPACT_SPANS(Sse2, "sse2", __m128, I32x4, U32x4, _mm_sqrt_ps)
 struct CompactKernels {
   // Returns where the scalar tail starts.
   int64_t (*bf16)(const CompactSpan&, const AdamHyper<float>&, int64_t, int64_t);
-  void (*int8_block)(const CompactSpan&, const AdamHyper<float>&, int64_t);
+  void (*int8_blocks)(const CompactSpan&, const AdamHyper<float>&, int64_t, int64_t);
 };
 
 int64_t NoBf16Vectors(const CompactSpan&, const AdamHyper<float>&, int64_t begin, int64_t) {
   return begin;
 }
 
-// The widest instruction set the CPU has (no FMA: see MSOPT_UNFUSED).
-CompactKernels PickCompactKernels() {
+// The loops for `isa` (none fuses multiply-adds into the moments: see MSOPT_UNFUSED).
+CompactKernels CompactKernelsFor(Isa isa) {
 #ifdef MSOPT_X86_SIMD
-  if (__builtin_cpu_supports("avx512f")) return {Bf16SpanAvx512, Int8BlockAvx512};
-  if (__builtin_cpu_supports("avx2")) return {Bf16SpanAvx2, Int8BlockAvx2};
-  return {Bf16SpanSse2, Int8BlockSse2};
-#else
-  return {NoBf16Vectors, Int8BlockScalar};
+  switch (isa) {
+    case Isa::kAvx512: return {Bf16SpanAvx512, Int8BlocksAvx512};
+    case Isa::kAvx2: return {Bf16SpanAvx2, Int8BlocksAvx2};
+    case Isa::kSse2: return {Bf16SpanSse2, Int8BlocksSse2};
+    case Isa::kScalar: break;
+  }
 #endif
+  return {NoBf16Vectors, Int8BlocksScalar};
 }
 
 // Blocks [begin, end) of the N variables' blocks laid end to end (`starts`: each
 // variable's first block, then the total).
 void RunCompactShard(const std::vector<CompactSpan>& spans, const std::vector<int64_t>& starts,
-                     const AdamHyper<float>& h, bool int8, int64_t begin, int64_t end) {
-  static const CompactKernels kernels = PickCompactKernels();
+                     const AdamHyper<float>& h, const CompactKernels& kernels, bool int8,
+                     int64_t begin, int64_t end) {
   size_t i = std::upper_bound(starts.begin(), starts.end(), begin) - starts.begin() - 1;
   for (; i < spans.size() && starts[i] < end; ++i) {
     const int64_t first = std::max(begin, starts[i]) - starts[i];
     const int64_t last = std::min(end, starts[i + 1]) - starts[i];
     const CompactSpan& span = spans[i];
     if (int8) {
-      for (int64_t block = first; block < last; ++block) kernels.int8_block(span, h, block);
+      if (last > first) kernels.int8_blocks(span, h, first, last);
     } else if (last > first) {
       const int64_t stop = std::min(last * kBlock, span.size);
       Bf16Scalar(span, h, kernels.bf16(span, h, first * kBlock, stop), stop);
@@ -837,9 +975,10 @@ class AdamOffloadOp : public OpKernel {
     }
     // Bytes read and written and cycles per element, for the shard size.
     const Eigen::TensorOpCost cost((kUpdateVariable ? 4 : 3) * sizeof(T), 3 * sizeof(T), 10);
+    const Isa isa = SelectIsa();
     ctx->eigen_device<CPUDevice>().parallelFor(
-        starts.back(), cost, [&spans, &starts, &h](Eigen::Index begin, Eigen::Index end) {
-          RunShard(spans, starts, h, begin, end);
+        starts.back(), cost, [&spans, &starts, &h, isa](Eigen::Index begin, Eigen::Index end) {
+          RunShard(spans, starts, h, isa, begin, end);
         });
   }
 
@@ -933,9 +1072,11 @@ class CompactAdamOffloadOp : public OpKernel {
     const Eigen::TensorOpCost cost(kBlock * (4 * (kUpdateVariable ? 2 : 1) + 2 * moment_bytes),
                                    kBlock * (4 + 2 * moment_bytes), kBlock * 20);
     const bool int8 = int8_;
+    const CompactKernels kernels = CompactKernelsFor(SelectIsa());
     ctx->eigen_device<CPUDevice>().parallelFor(
-        starts.back(), cost, [&spans, &starts, &h, int8](Eigen::Index begin, Eigen::Index end) {
-          RunCompactShard(spans, starts, h, int8, begin, end);
+        starts.back(), cost,
+        [&spans, &starts, &h, &kernels, int8](Eigen::Index begin, Eigen::Index end) {
+          RunCompactShard(spans, starts, h, kernels, int8, begin, end);
         });
   }
 

@@ -23,6 +23,18 @@ def use_backend(monkeypatch, backend):
         f"built before custom_ops/adam_offload.cc existed lacks it: rebuild with setup.py)")
 
 
+#: Instruction sets the kernels' loops can be capped to (TF_MSOPT_ADAM_ISA; "best": uncapped,
+#: AVX-512 where the CPU has it): a user's CPU may have any of them.
+ISAS = ["best", "avx2", "sse2", "scalar"]
+
+
+def cap_isa(monkeypatch, isa):
+    if isa == "best":
+        monkeypatch.delenv("TF_MSOPT_ADAM_ISA", raising=False)
+    else:
+        monkeypatch.setenv("TF_MSOPT_ADAM_ISA", isa)
+
+
 @pytest.fixture(params=["kernel", "pure_tf"])
 def backend(request, monkeypatch):
     use_backend(monkeypatch, request.param)
@@ -245,9 +257,12 @@ def run_grouped_steps(backend, monkeypatch, in_place, sizes=(1, 17, 0, 100_003, 
     return values, kernel_ops
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("in_place", [False, True])
-def test_grouped_kernel_equals_one_step_per_variable(in_place, monkeypatch):
-    """One kernel call for several variables gives each what its own pure-TF step gives."""
+def test_grouped_kernel_equals_one_step_per_variable(in_place, isa, monkeypatch):
+    """One kernel call for several variables gives each what its own pure-TF step gives,
+    with each instruction set's loops."""
+    cap_isa(monkeypatch, isa)
     grouped, ops = run_grouped_steps("kernel", monkeypatch, in_place)
     plain, plain_ops = run_grouped_steps("pure_tf", monkeypatch, in_place)
     kind = "MsOptAdamOffloadUpdates" if in_place else "MsOptAdamOffloadDeltas"
@@ -517,15 +532,14 @@ MOMENT_TABLE, SQUARE_TABLE = code_table(4), code_table(5)
 
 def numpy_encode(units, table):
     """Each of ``units`` (in [0, 1]) as the index of the nearest table value, ties to the
-    even code, where code 0 stands for 2**-top (its binade's start) when rounding and is
+    larger one, where code 0 stands for 2**-top (its binade's start) when rounding and is
     stored as 0: whatever rounds to 2**-top or below becomes 0."""
     units = np.asarray(units, np.float64)
     rounding = table.astype(np.float64)
     rounding[0] = table[8] / 2      # 2**-top
     index = np.clip(np.searchsorted(rounding, units), 1, len(table) - 1)
     below, above = rounding[index - 1], rounding[index]
-    pick_above = (above - units < units - below) | (
-        (above - units == units - below) & (index % 2 == 0))
+    pick_above = above - units <= units - below
     return np.where(units < rounding[0], 0, np.where(pick_above, index, index - 1))
 
 
@@ -544,7 +558,7 @@ def test_codes_round_to_the_nearest_table_value():
         np.testing.assert_array_equal(
             ops._decode_unit(tf.range(len(table)), offset).numpy(), table)
         kept = units >= table[8]     # above the flush, the rounding error is half a step
-        assert np.all(got[units <= table[8] * 0.53125] == 0)   # 1.0625 * 2**-top: flushed
+        assert np.all(got[units < table[8] * 0.53125] == 0)   # below 1.0625 * 2**-top: flushed
         error = np.abs(table[got[kept]] - units[kept]) / units[kept]
         assert error.max() <= 2.0 ** -4
 
@@ -661,15 +675,17 @@ def run_compact_grouped_steps(backend, monkeypatch, state_dtype, in_place, use_n
     return [x.numpy() for x in (weights if in_place else deltas)], stored, ops
 
 
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("in_place", [False, True])
 @pytest.mark.parametrize("use_nesterov", [False, True])
 def test_compact_kernel_and_pure_tf_store_the_same_bits(state_dtype, in_place, use_nesterov,
-                                                        monkeypatch):
+                                                        isa, monkeypatch):
     """One kernel call for variables of several sizes (vector loops with tails, an empty
-    variable, blocks split over shards) against the pure-TF path: the same stored bits,
-    codes and scales (nothing in either path fuses a multiply-add); weights and deltas
-    within 1e-6 of the largest."""
+    variable, blocks split over shards) against the pure-TF path, with each instruction
+    set's loops: the same stored bits, codes and scales (nothing in either path fuses a
+    multiply-add into the moments); weights and deltas within 1e-6 of the largest."""
+    cap_isa(monkeypatch, isa)
     got, got_state, ops = run_compact_grouped_steps("kernel", monkeypatch, state_dtype,
                                                     in_place, use_nesterov)
     want, want_state, plain_ops = run_compact_grouped_steps("pure_tf", monkeypatch,
@@ -681,6 +697,31 @@ def test_compact_kernel_and_pure_tf_store_the_same_bits(state_dtype, in_place, u
             np.testing.assert_array_equal(got_entry[key], want_entry[key], err_msg=key)
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.max(np.abs(w), initial=0.0))
+
+
+@pytest.mark.parametrize("isa", ["best", "avx2"])
+@pytest.mark.parametrize("epsilon", [1e-8, 1e-40])
+def test_compact_kernel_and_pure_tf_agree_at_edge_values(epsilon, isa, monkeypatch):
+    """Second moments at zero, underflowing to zero and overflowing to inf, and a denormal
+    epsilon, in whole vectors: where a denominator is not a normal float the kernel leaves
+    its reciprocal estimate for the rounded division, so it still stores the pure-TF path's
+    bits and returns its deltas (zeros and huge values alike)."""
+    cap_isa(monkeypatch, isa)
+    grad = np.tile(np.float32([0.0, 1e-30, 1e30, -1e30, 1.0, -3.0, 1e-20, 5e-4]), 8)
+    results = []
+    for backend in ("kernel", "pure_tf"):
+        use_backend(monkeypatch, backend)
+        m, v, _ = compact_variables("bfloat16", grad.size)
+        step = tf.function(adam_offload_step)
+        deltas = [step(m, v, tf.constant(grad), 0.9 ** t, 0.999 ** t, 0.01, 0.9, 0.999,
+                       epsilon, 1.0, state_dtype="bfloat16").numpy() for t in (1, 2)]
+        results.append((deltas, stored_state(m, v, None)))
+    (got, got_state), (want, want_state) = results
+    assert np.isinf(numpy_bfloat16_value(want_state["v"])).any()
+    for key in want_state:
+        np.testing.assert_array_equal(got_state[key], want_state[key], err_msg=key)
+    for got_delta, want_delta in zip(got, want):
+        np.testing.assert_allclose(got_delta, want_delta, rtol=1e-6, atol=0)
 
 
 def test_compact_step_contract_errors():

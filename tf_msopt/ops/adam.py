@@ -18,11 +18,13 @@ float32 scale (its largest ``|m|``, its largest ``v``): ``m`` as the signed int8
 ``sign(m) * encode(|m| / scale, 4 exponent bits)``, ``v`` as the uint8
 ``encode(v / scale, 5 exponent bits)``, where ``encode`` rounds a number in [0, 1] to the
 nearest 8-bit float with 3 fraction bits and the given exponent bits whose largest value is
-1.0 (ties to even; below the smallest one, about 2**-15 for m and 2**-31 for v, it gives 0).
+1.0 (ties away from zero; below the smallest one, about 2**-15 for m and 2**-31 for v, it
+gives 0).
 ``delta`` is computed from the new moments before they are stored. The compiled
 ``MsOptAdamOffloadCompactDeltas`` / ``...Updates`` and the TensorFlow ops below do the same
 operations in the same order, none of them fused, so both store the same bits, codes and
-scales; ``delta`` agrees to a few ulp (sqrt and division in another library).
+scales; ``delta`` agrees to a few ulp (with AVX-512 or AVX2 the kernels divide by a refined
+reciprocal estimate).
 
 The compiled
 kernels (``MsOptAdamOffloadDeltas`` / ``MsOptAdamOffloadUpdates`` in
@@ -312,10 +314,10 @@ def _to_blocks(x):
 
 def _encode_unit(x, offset):
     """x in [0, 1] to its 8-bit float code (int32), with integer operations on its bits."""
-    bits = tf.bitcast(x, tf.int32)
-    rounded = tf.bitwise.right_shift(
-        bits + 0x7FFFF + tf.bitwise.bitwise_and(tf.bitwise.right_shift(bits, 20), 1), 20)
-    return tf.clip_by_value(rounded - offset, 0, (127 << 3) - offset)
+    # Half a code step added and the offset taken off before the (arithmetic) shift: to
+    # nearest, ties away from zero; what lies below the range comes out negative.
+    code = tf.bitwise.right_shift(tf.bitcast(x, tf.int32) + (0x80000 - (offset << 20)), 20)
+    return tf.clip_by_value(code, 0, (127 << 3) - offset)
 
 
 def _decode_unit(code, offset):

@@ -63,6 +63,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "streaming.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -619,7 +620,7 @@ inline void StoreU16Sse2(uint16_t* p, U32x4 v) {
 // Loads of the lines kPrefetchAhead elements on, in every stream a compact step reads: with
 // this much arithmetic per byte the out-of-order window alone keeps too few misses in flight
 // to reach the memory bandwidth.
-constexpr int64_t kPrefetchAhead = 1024;
+constexpr int64_t kPrefetchAhead = tf_msopt::kPrefetchBytes / sizeof(float);
 #define MSOPT_PREFETCH_STREAMS(MOMENT_M, MOMENT_V)                                     \
   {                                                                                  \
     const int64_t ahead = i + kPrefetchAhead;                                        \

@@ -6,10 +6,10 @@
 //
 // TensorFlow's ResourceApplyAddSign evaluates m and var as two Eigen expressions,
 // so it streams over memory twice. Here each element is read and written once,
-// sharded over the intra-op thread pool. sign(grad) * sign(m) is -1, 0 or 1, so
-// the three possible scale factors are computed once per call (which also keeps
-// exp() out of the loop) with the same operand order as TensorFlow's kernels:
-// the results agree with them bit for bit.
+// sharded over the intra-op thread pool, with software prefetch (streaming.h).
+// sign(grad) * sign(m) is -1, 0 or 1, so the three possible scale factors are
+// computed once per call (which also keeps exp() out of the loop) with the same
+// operand order as TensorFlow's kernels: the results agree with them bit for bit.
 #define EIGEN_USE_THREADS
 
 #include <cmath>
@@ -18,6 +18,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "streaming.h"
 
 namespace tensorflow {
 namespace {
@@ -62,15 +63,18 @@ __attribute__((target_clones("avx2", "default"))) void UpdateRange(
     Eigen::Index begin, Eigen::Index end, const T scale[3], T beta, T one_minus_beta,
     const T* __restrict grad, T* __restrict m, T* __restrict var) {
   const T negative = scale[0], zero = scale[1], positive = scale[2];
-  for (Eigen::Index i = begin; i < end; ++i) {
-    const T g = grad[i];
-    const T m_new = m[i] * beta + g * one_minus_beta;
-    m[i] = m_new;
-    const T sign_product = Sign(g) * Sign(m_new);
-    T factor = sign_product > T(0) ? positive : zero;
-    factor = sign_product < T(0) ? negative : factor;
-    var[i] -= factor * g;
-  }
+  auto update = [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const T g = grad[i];
+      const T m_new = m[i] * beta + g * one_minus_beta;
+      m[i] = m_new;
+      const T sign_product = Sign(g) * Sign(m_new);
+      T factor = sign_product > T(0) ? positive : zero;
+      factor = sign_product < T(0) ? negative : factor;
+      var[i] -= factor * g;
+    }
+  };
+  tf_msopt::StreamChunks<T>(begin, end, update, grad, m, var);
 }
 
 template <typename T, void (*kScales)(T, T, T, T[3])>

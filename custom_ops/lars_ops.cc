@@ -13,6 +13,8 @@
 // at the same time, accumulated in double), pass 2 reads w, g and a and writes
 // w and a, with g' formed in registers. Doing the same with TensorFlow ops
 // costs two more passes (g + wd*w written and read back) and a kernel launch per op.
+// MsOptLarsGradient is the same first pass for any other wrapped optimizer, then a
+// pass writing trust * (g + wd * w) for it.
 //
 // Both passes are sharded over the intra-op thread pool and prefetch ahead
 // (streaming.h). Pass 1 splits the range into fixed blocks whose partial sums
@@ -25,6 +27,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -74,6 +77,31 @@ REGISTER_OP("MsOptResourceApplyLarsMomentum")
 LARS (MindSpore nn.LARS semantics) around Keras' SGD with momentum, in two passes:
 the norms of var and grad, then accum = accum * momentum - trust * lr * (grad +
 weight_decay * var) and var += accum (Nesterov: var += accum * momentum - trust * lr * g').
+)doc");
+
+REGISTER_OP("MsOptLarsGradient")
+    .Input("var: T")
+    .Input("grad: T")
+    .Input("lr: T")
+    .Input("weight_decay: T")
+    .Input("coefficient: T")
+    .Input("epsilon: T")
+    .Output("scaled: T")
+    .Attr("T: {float, double}")
+    .Attr("use_clip: bool = false")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle shape;
+      TF_RETURN_IF_ERROR(c->Merge(c->input(0), c->input(1), &shape));
+      ShapeHandle scalar;
+      for (int i = 2; i < c->num_inputs(); ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 0, &scalar));
+      }
+      c->set_output(0, shape);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+LARS' scaled gradient trust * (grad + weight_decay * var) for any wrapped optimizer, in two
+passes over memory (the norms of var and grad, then the scaling).
 )doc");
 
 // Elements per block of the norm pass: 64 KiB of float32 per array.
@@ -149,6 +177,23 @@ inline __attribute__((always_inline)) void UpdateBody(const UpdateScalars<T>& s,
 }
 
 template <typename T>
+inline __attribute__((always_inline)) void ScaleBody(T trust, T decay_trust, int64_t n,
+                                                     const T* __restrict w,
+                                                     const T* __restrict g, T* __restrict out) {
+  if (decay_trust == T(0)) {   // no weight decay: w is not read again
+    auto scale = [&](int64_t first, int64_t last) {
+      for (int64_t i = first; i < last; ++i) out[i] = trust * g[i];
+    };
+    tf_msopt::StreamChunks<T>(0, n, scale, g);
+    return;
+  }
+  auto scale = [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) out[i] = trust * g[i] + decay_trust * w[i];
+  };
+  tf_msopt::StreamChunks<T>(0, n, scale, w, g);
+}
+
+template <typename T>
 void SumSquaresDefault(const T* w, const T* g, int64_t n, double* ws, double* gs) {
   SumSquaresBody(w, g, n, ws, gs);
 }
@@ -157,7 +202,17 @@ void UpdateDefault(const UpdateScalars<T>& s, int64_t n, const T* g, T* a, T* w)
   UpdateBody<T, kNesterov>(s, n, g, a, w);
 }
 
+template <typename T>
+void ScaleDefault(T trust, T decay_trust, int64_t n, const T* w, const T* g, T* out) {
+  ScaleBody(trust, decay_trust, n, w, g, out);
+}
+
 #ifdef MSOPT_LARS_X86
+template <typename T>
+MSOPT_FMA_TARGET void ScaleFma(T trust, T decay_trust, int64_t n, const T* w, const T* g,
+                               T* out) {
+  ScaleBody(trust, decay_trust, n, w, g, out);
+}
 template <typename T>
 MSOPT_FMA_TARGET void SumSquaresFma(const T* w, const T* g, int64_t n, double* ws, double* gs) {
   SumSquaresBody(w, g, n, ws, gs);
@@ -181,12 +236,63 @@ void SumSquares(const T* w, const T* g, int64_t n, double* ws, double* gs) {
   SumSquaresDefault(w, g, n, ws, gs);
 }
 
+template <typename T>
+void Scale(T trust, T decay_trust, int64_t n, const T* w, const T* g, T* out) {
+#ifdef MSOPT_LARS_X86
+  if (HasAvx2Fma()) return ScaleFma(trust, decay_trust, n, w, g, out);
+#endif
+  ScaleDefault(trust, decay_trust, n, w, g, out);
+}
+
+// LARS' trust ratio of w and g (n elements each), as the pure-TF path computes it, from
+// both sums of squares taken in one parallel pass over fixed blocks added in block order
+// (so the result does not depend on the number of threads).
+template <typename T>
+T TrustRatio(const CPUDevice& device, const T* w, const T* g, int64_t n, T lr, T weight_decay,
+             T coefficient, T epsilon, bool use_clip) {
+  const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
+  std::vector<double> partial(2 * blocks, 0.0);
+  const Eigen::TensorOpCost block_cost(2.0 * sizeof(T) * kNormBlock, 0, 2.0 * kNormBlock);
+  device.parallelFor(blocks, block_cost, [&](Eigen::Index first, Eigen::Index last) {
+    for (Eigen::Index b = first; b < last; ++b) {
+      const int64_t begin = b * kNormBlock, size = std::min(kNormBlock, n - begin);
+      SumSquares<T>(w + begin, g + begin, size, &partial[2 * b], &partial[2 * b + 1]);
+    }
+  });
+  double w_sum = 0.0, g_sum = 0.0;
+  for (int64_t b = 0; b < blocks; ++b) {
+    w_sum += partial[2 * b];
+    g_sum += partial[2 * b + 1];
+  }
+  const T w_norm = T(std::sqrt(w_sum)), g_norm = T(std::sqrt(g_sum));
+  T trust = coefficient * w_norm / (g_norm + epsilon + weight_decay * w_norm);
+  if (use_clip) trust = std::min(std::max(trust / lr, T(0)), T(1));
+  if (!(w_norm > T(0) && g_norm > T(0))) trust = T(1);
+  return trust;
+}
+
 template <typename T, bool kNesterov>
 void Update(const UpdateScalars<T>& s, int64_t n, const T* g, T* a, T* w) {
 #ifdef MSOPT_LARS_X86
   if (HasAvx2Fma()) return UpdateFma<T, kNesterov>(s, n, g, a, w);
 #endif
   UpdateDefault<T, kNesterov>(s, n, g, a, w);
+}
+
+// The scalar inputs from `first` on, named `names`, into `out`.
+template <typename T>
+absl::Status ReadScalars(OpKernelContext* ctx, int first,
+                         std::initializer_list<const char*> names, T* out) {
+  int i = 0;
+  for (const char* name : names) {
+    const Tensor& t = ctx->input(first + i);
+    if (!TensorShapeUtils::IsScalar(t.shape())) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "'", name, "' must be a scalar, but got shape ", t.shape().DebugString(), "."));
+    }
+    out[i++] = t.scalar<T>()();
+  }
+  return absl::OkStatus();
 }
 
 template <typename T>
@@ -225,17 +331,9 @@ class LarsMomentumOp : public OpKernel {
                     "'var', 'accum' and 'grad' must have the same shape, but got ",
                     var.shape().DebugString(), ", ", accum.shape().DebugString(), " and ",
                     grad.shape().DebugString(), ".")));
-    static const char* const kScalarNames[5] = {"lr", "momentum", "weight_decay", "coefficient",
-                                                "epsilon"};
     T scalars[5];
-    for (int i = 0; i < 5; ++i) {
-      const Tensor& t = ctx->input(3 + i);
-      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(t.shape()),
-                  absl::InvalidArgumentError(absl::StrCat("'", kScalarNames[i],
-                                                          "' must be a scalar, but got shape ",
-                                                          t.shape().DebugString(), ".")));
-      scalars[i] = t.scalar<T>()();
-    }
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 3, {"lr", "momentum", "weight_decay", "coefficient",
+                                             "epsilon"}, scalars));
     const T lr = scalars[0], momentum = scalars[1], weight_decay = scalars[2];
     const T coefficient = scalars[3], epsilon = scalars[4];
 
@@ -245,27 +343,9 @@ class LarsMomentumOp : public OpKernel {
     const int64_t n = grad.NumElements();
     const CPUDevice& device = ctx->eigen_device<CPUDevice>();
 
-    // Pass 1: the two sums of squares, per block, added in block order.
-    const int64_t blocks = (n + kNormBlock - 1) / kNormBlock;
-    std::vector<double> partial(2 * blocks, 0.0);
-    const Eigen::TensorOpCost block_cost(2.0 * sizeof(T) * kNormBlock, 0, 2.0 * kNormBlock);
-    device.parallelFor(blocks, block_cost, [&](Eigen::Index first, Eigen::Index last) {
-      for (Eigen::Index b = first; b < last; ++b) {
-        const int64_t begin = b * kNormBlock, size = std::min(kNormBlock, n - begin);
-        SumSquares<T>(w + begin, g + begin, size, &partial[2 * b], &partial[2 * b + 1]);
-      }
-    });
-    double w_sum = 0.0, g_sum = 0.0;
-    for (int64_t b = 0; b < blocks; ++b) {
-      w_sum += partial[2 * b];
-      g_sum += partial[2 * b + 1];
-    }
-    const T w_norm = T(std::sqrt(w_sum)), g_norm = T(std::sqrt(g_sum));
-
-    // The trust ratio, as the pure-TF path computes it.
-    T trust = coefficient * w_norm / (g_norm + epsilon + weight_decay * w_norm);
-    if (use_clip_) trust = std::min(std::max(trust / lr, T(0)), T(1));
-    if (!(w_norm > T(0) && g_norm > T(0))) trust = T(1);
+    // Pass 1: the two norms and the trust ratio.
+    const T trust = TrustRatio(device, w, g, n, lr, weight_decay, coefficient, epsilon,
+                               use_clip_);
     UpdateScalars<T> s;
     s.momentum = momentum;
     s.scaled_lr = trust * lr;
@@ -289,10 +369,53 @@ class LarsMomentumOp : public OpKernel {
   bool use_locking_;
 };
 
+// trust * (grad + weight_decay * var) for a wrapped optimizer other than SGD-momentum: the
+// norm pass, then one pass writing the scaled gradient (into grad's buffer when nothing
+// else holds it).
+template <typename T>
+class LarsGradientOp : public OpKernel {
+ public:
+  explicit LarsGradientOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("use_clip", &use_clip_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& var = ctx->input(0);
+    const Tensor& grad = ctx->input(1);
+    OP_REQUIRES(ctx, var.shape() == grad.shape(),
+                absl::InvalidArgumentError(absl::StrCat(
+                    "'var' and 'grad' must have the same shape, but got ",
+                    var.shape().DebugString(), " and ", grad.shape().DebugString(), ".")));
+    T scalars[4];
+    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 2, {"lr", "weight_decay", "coefficient", "epsilon"},
+                                    scalars));
+    const T weight_decay = scalars[1];
+    const T* w = var.flat<T>().data();
+    const T* g = grad.flat<T>().data();
+    const int64_t n = grad.NumElements();
+    const CPUDevice& device = ctx->eigen_device<CPUDevice>();
+    const T trust = TrustRatio(device, w, g, n, scalars[0], weight_decay, scalars[2],
+                               scalars[3], use_clip_);
+    Tensor* scaled = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({1}, 0, grad.shape(), &scaled));
+    T* out = scaled->flat<T>().data();
+    const T decay_trust = trust * weight_decay;
+    const Eigen::TensorOpCost cost(2 * sizeof(T), sizeof(T), /*compute_cycles=*/2);
+    device.parallelFor(n, cost, [&](Eigen::Index begin, Eigen::Index end) {
+      Scale(trust, decay_trust, end - begin, w + begin, g + begin, out + begin);
+    });
+  }
+
+ private:
+  bool use_clip_;
+};
+
 #define MSOPT_REGISTER_LARS(T)                                                             \
   REGISTER_KERNEL_BUILDER(                                                                 \
       Name("MsOptResourceApplyLarsMomentum").Device(DEVICE_CPU).TypeConstraint<T>("T"),   \
-      LarsMomentumOp<T>);
+      LarsMomentumOp<T>);                                                                  \
+  REGISTER_KERNEL_BUILDER(Name("MsOptLarsGradient").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          LarsGradientOp<T>);
 MSOPT_REGISTER_LARS(float)
 MSOPT_REGISTER_LARS(double)
 #undef MSOPT_REGISTER_LARS

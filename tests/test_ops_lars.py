@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import tf_msopt as mso
 from tf_msopt.ops import _loader
-from tf_msopt.ops.lars import apply_lars_momentum, lars_momentum_kernel
+from tf_msopt.ops.lars import apply_lars_momentum, lars_gradient, lars_momentum_kernel
 
 
 def use_backend(monkeypatch, backend):
@@ -79,6 +79,30 @@ def test_kernel_and_pure_tf_agree(use_clip, use_nesterov, monkeypatch):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.max(np.abs(want)))
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("size", [1, 13, 100_003])
+@pytest.mark.parametrize("use_clip", [False, True])
+@pytest.mark.parametrize("weight_decay", [0.0, 1e-4])
+def test_lars_gradient_matches_numpy_formula(dtype, size, use_clip, weight_decay, backend):
+    """The gradient LARS hands a wrapped optimizer other than SGD-momentum: trust * (g + wd * w),
+    from the compiled kernel (both norms in one read) and from the TensorFlow ops."""
+    rng = np.random.default_rng(5)
+    w, g = ((rng.normal(size=size) * scale).astype(dtype) for scale in (0.1, 0.01))
+    variable = tf.Variable(w)
+    got = tf.function(lars_gradient)(variable, tf.constant(g), 0.1, weight_decay, 0.001, 1e-5,
+                                     use_clip).numpy()
+    w64, g64 = w.astype(np.float64), g.astype(np.float64)
+    w_norm, g_norm = np.linalg.norm(w64), np.linalg.norm(g64)
+    trust = 0.001 * w_norm / (weight_decay * w_norm + g_norm + 1e-5)
+    trust = np.clip(trust / 0.1, 0.0, 1.0) if use_clip else trust
+    want = trust * (g64 + weight_decay * w64)
+    rtol = 1e-6 if dtype == "float32" else 1e-12
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * np.max(np.abs(want)))
+    kernel_ops = {op.type for op in tf.function(lars_gradient).get_concrete_function(
+        variable, tf.constant(g), 0.1, weight_decay, 0.001, 1e-5, use_clip).graph.get_operations()}
+    assert ("MsOptLarsGradient" in kernel_ops) == (backend == "kernel")
+
+
 def test_zero_weights_get_trust_one(backend):
     """|w| = 0: trust 1 (MindSpore would freeze zero-initialised weights)."""
     (w, a), (ref_w, ref_a) = run_steps("float32", 1000, False, False, steps=1,
@@ -139,3 +163,15 @@ def test_lars_optimizer_uses_the_kernel(monkeypatch):
     assert "MsOptResourceApplyLarsMomentum" not in op_types["pure_tf"]
     for got, want in zip(results["kernel"], results["pure_tf"]):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.max(np.abs(want)))
+
+
+def test_lars_gradient_kernel_checks_its_inputs(monkeypatch):
+    use_backend(monkeypatch, "kernel")
+    kernel = lars_momentum_kernel(tf.Variable(np.ones(4, np.float32)), tf.ones(4),
+                                  "ms_opt_lars_gradient")
+    scalars = dict(lr=0.1, weight_decay=0.0, coefficient=0.001, epsilon=1e-5)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'lr' must be a scalar"):
+        kernel(var=tf.ones(4), grad=tf.ones(4), **{**scalars, "lr": tf.ones(2)})
+    with pytest.raises((tf.errors.InvalidArgumentError, ValueError),
+                       match="same shape|must be equal"):
+        kernel(var=tf.ones(4), grad=tf.ones(3), **scalars)

@@ -16,20 +16,24 @@ once: 7 words per element, where TensorFlow ops need 10 (``g + wd * w`` is
 written out and read back). Otherwise (no library, the
 ``TF_MSOPT_DISABLE_CUSTOM_OPS`` kill switch, another dtype or device, an
 XLA-compiled step) the same arithmetic runs as TensorFlow ops; both agree to
-about 1e-7 relative (the kernel may fuse multiply-adds).
+about 1e-7 relative (the kernel may fuse multiply-adds). Around any other wrapped
+optimizer, :func:`lars_gradient` gives it ``trust * (g + weight_decay * w)`` the same way
+(``MsOptLarsGradient``).
 """
 import tensorflow as tf
 
 from tf_msopt._common import in_xla_context, tf_variable
 from tf_msopt.ops._loader import load_custom_ops
 
-__all__ = ["apply_lars_momentum", "lars_momentum_kernel", "norm", "trust_ratio"]
+__all__ = ["apply_lars_momentum", "lars_gradient", "lars_momentum_kernel", "norm",
+           "trust_ratio"]
 
 _KERNEL_DTYPES = (tf.float32, tf.float64)
 
 
-def lars_momentum_kernel(variable, gradient):
-    """The compiled kernel's wrapper when it can run this update here, else None.
+def lars_momentum_kernel(variable, gradient, name="ms_opt_resource_apply_lars_momentum"):
+    """The compiled kernel's wrapper (``name``: the momentum update, or
+    ``ms_opt_lars_gradient``) when it can run this update here, else None.
 
     It can when the library is loaded (and not switched off), the gradient is
     dense, the dtype is float32/float64, the variable is on a CPU and the step is
@@ -43,7 +47,7 @@ def lars_momentum_kernel(variable, gradient):
     if tf.DeviceSpec.from_string(variable.device or "").device_type not in (None, "CPU"):
         return None
     module = load_custom_ops()
-    return getattr(module, "ms_opt_resource_apply_lars_momentum", None)
+    return getattr(module, name, None)
 
 
 def _scalar(x, dtype):
@@ -115,3 +119,30 @@ def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum
         var=var.handle, accum=accum.handle, lr=trust * lr,
         grad=gradient + weight_decay * weight, momentum=momentum,
         use_nesterov=bool(use_nesterov))
+
+
+def lars_gradient(variable, gradient, learning_rate, weight_decay, coefficient, epsilon,
+                  use_clip=False, use_kernel=None):
+    """LARS' gradient for a wrapped optimizer, ``trust * (g + weight_decay * w)``.
+
+    The compiled ``MsOptLarsGradient`` (where :func:`lars_momentum_kernel` says it can run)
+    reads ``w`` and ``g`` once for both norms and once more to write the result; the
+    TensorFlow ops read them for each norm and write ``g + weight_decay * w`` before
+    scaling it; a ``weight_decay`` of 0 leaves its term out (``w`` is not read again).
+    ``use_kernel=False`` forces the TensorFlow ops; both agree to about 1e-7.
+    """
+    var = tf_variable(variable)
+    dtype = var.dtype
+    kernel = (lars_momentum_kernel(var, gradient, "ms_opt_lars_gradient")
+              if use_kernel is not False else None)
+    gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense
+    weight = tf.convert_to_tensor(var)
+    no_decay = isinstance(weight_decay, (int, float)) and not weight_decay
+    lr, weight_decay, coefficient, epsilon = (
+        _scalar(x, dtype) for x in (learning_rate, weight_decay, coefficient, epsilon))
+    if kernel is not None:
+        return kernel(var=weight, grad=gradient, lr=lr, weight_decay=weight_decay,
+                      coefficient=coefficient, epsilon=epsilon, use_clip=bool(use_clip))
+    decay = None if no_decay else weight_decay
+    trust = trust_ratio(norm(weight), norm(gradient), coefficient, epsilon, decay, use_clip, lr)
+    return trust * (gradient if no_decay else gradient + decay * weight)

@@ -5,7 +5,8 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register, tf_variable
 from tf_msopt._validation import check_bool, check_float, type_name
-from tf_msopt.ops.lars import apply_lars_momentum, lars_momentum_kernel, norm, trust_ratio
+from tf_msopt.ops.lars import (apply_lars_momentum, lars_gradient, lars_momentum_kernel, norm,
+                               trust_ratio)
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     WrapperOfOptimizer,
@@ -190,12 +191,16 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
                                 self.weight_decay if self._decay_flags[index] else 0.0,
                                 self.coefficient, self.epsilon, self.use_clip, inner.nesterov)
             return
+        if not self._fused_sgd:   # trust * (g + wd * w), compiled where it can run
+            self.inner_optimizer.update_step(
+                lars_gradient(variable, gradient, learning_rate,
+                              self.weight_decay if self._decay_flags[index] else 0.0,
+                              self.coefficient, self.epsilon, self.use_clip),
+                variable, learning_rate)
+            return
         gradient, trust = self._trust_ratio(gradient, variable, learning_rate,
                                             self._decay_flags[index])
-        if self._fused_sgd:
-            self._fused_sgd_step(gradient, variable, trust * tf.cast(learning_rate, trust.dtype))
-        else:
-            self.inner_optimizer.update_step(trust * gradient, variable, learning_rate)
+        self._fused_sgd_step(gradient, variable, trust * tf.cast(learning_rate, trust.dtype))
 
     def _trust_ratio(self, gradient, variable, learning_rate, decay):
         """Returns ``(g + wd * w, trust)`` for one variable."""

@@ -176,10 +176,11 @@ inline __attribute__((always_inline)) void UpdateBody(const UpdateScalars<T>& s,
   tf_msopt::StreamChunks<T>(0, n, update, g, a, w);
 }
 
+// `out` may be `g` itself (the output took over the gradient's buffer): each element is read
+// before it is written, so neither is declared __restrict.
 template <typename T>
 inline __attribute__((always_inline)) void ScaleBody(T trust, T decay_trust, int64_t n,
-                                                     const T* __restrict w,
-                                                     const T* __restrict g, T* __restrict out) {
+                                                     const T* w, const T* g, T* out) {
   if (decay_trust == T(0)) {   // no weight decay: w is not read again
     auto scale = [&](int64_t first, int64_t last) {
       for (int64_t i = first; i < last; ++i) out[i] = trust * g[i];

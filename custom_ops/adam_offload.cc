@@ -63,6 +63,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "scalar_inputs.h"
 #include "streaming.h"
 
 #if defined(__x86_64__)
@@ -895,18 +896,10 @@ absl::Status CheckSameShape(const Tensor& state, const std::string& name, const 
 // The step's scalars (inputs from `first` on) as the per-element constants.
 template <typename T>
 absl::Status ReadHyper(OpKernelContext* ctx, int first, AdamHyper<T>* h) {
-  static const char* const kScalarNames[kNumScalars] = {
-      "beta1_power", "beta2_power", "lr", "beta1", "beta2", "epsilon", "grad_scale"};
   T scalars[kNumScalars];
-  for (int i = 0; i < kNumScalars; ++i) {
-    const Tensor& t = ctx->input(first + i);
-    if (!TensorShapeUtils::IsScalar(t.shape())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", kScalarNames[i], "' must be a scalar, but got shape ", t.shape().DebugString(),
-          "."));
-    }
-    scalars[i] = t.scalar<T>()();
-  }
+  TF_RETURN_IF_ERROR(tf_msopt::ReadScalars(
+      ctx, first, {"beta1_power", "beta2_power", "lr", "beta1", "beta2", "epsilon", "grad_scale"},
+      scalars));
   const T beta1_power = scalars[0], beta2_power = scalars[1];
   if (!(std::abs(beta1_power - T(1)) >= T(std::numeric_limits<float>::epsilon()))) {
     return absl::InvalidArgumentError("the 'beta1_power' can not be 1.");

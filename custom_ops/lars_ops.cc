@@ -27,7 +27,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <initializer_list>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -35,6 +34,7 @@
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "scalar_inputs.h"
 #include "streaming.h"
 
 namespace tensorflow {
@@ -280,22 +280,6 @@ void Update(const UpdateScalars<T>& s, int64_t n, const T* g, T* a, T* w) {
   UpdateDefault<T, kNesterov>(s, n, g, a, w);
 }
 
-// The scalar inputs from `first` on, named `names`, into `out`.
-template <typename T>
-absl::Status ReadScalars(OpKernelContext* ctx, int first,
-                         std::initializer_list<const char*> names, T* out) {
-  int i = 0;
-  for (const char* name : names) {
-    const Tensor& t = ctx->input(first + i);
-    if (!TensorShapeUtils::IsScalar(t.shape())) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "'", name, "' must be a scalar, but got shape ", t.shape().DebugString(), "."));
-    }
-    out[i++] = t.scalar<T>()();
-  }
-  return absl::OkStatus();
-}
-
 template <typename T>
 class LarsMomentumOp : public OpKernel {
  public:
@@ -333,8 +317,9 @@ class LarsMomentumOp : public OpKernel {
                     var.shape().DebugString(), ", ", accum.shape().DebugString(), " and ",
                     grad.shape().DebugString(), ".")));
     T scalars[5];
-    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 3, {"lr", "momentum", "weight_decay", "coefficient",
-                                             "epsilon"}, scalars));
+    OP_REQUIRES_OK(ctx, tf_msopt::ReadScalars(
+                            ctx, 3, {"lr", "momentum", "weight_decay", "coefficient", "epsilon"},
+                            scalars));
     const T lr = scalars[0], momentum = scalars[1], weight_decay = scalars[2];
     const T coefficient = scalars[3], epsilon = scalars[4];
 
@@ -388,8 +373,8 @@ class LarsGradientOp : public OpKernel {
                     "'var' and 'grad' must have the same shape, but got ",
                     var.shape().DebugString(), " and ", grad.shape().DebugString(), ".")));
     T scalars[4];
-    OP_REQUIRES_OK(ctx, ReadScalars(ctx, 2, {"lr", "weight_decay", "coefficient", "epsilon"},
-                                    scalars));
+    OP_REQUIRES_OK(ctx, tf_msopt::ReadScalars(
+                            ctx, 2, {"lr", "weight_decay", "coefficient", "epsilon"}, scalars));
     const T weight_decay = scalars[1];
     const T* w = var.flat<T>().data();
     const T* g = grad.flat<T>().data();

@@ -25,8 +25,8 @@ import tensorflow as tf
 from tf_msopt._common import in_xla_context, tf_variable
 from tf_msopt.ops._loader import load_custom_ops
 
-__all__ = ["apply_lars_momentum", "lars_gradient", "lars_momentum_kernel", "norm",
-           "trust_ratio"]
+__all__ = ["apply_lars_momentum", "decayed_gradient_and_trust", "lars_gradient",
+           "lars_momentum_kernel", "norm", "trust_ratio"]
 
 _KERNEL_DTYPES = (tf.float32, tf.float64)
 
@@ -78,6 +78,15 @@ def trust_ratio(w_norm, g_norm, coefficient, epsilon, weight_decay=None, use_cli
     return tf.where((w_norm > 0) & (g_norm > 0), trust, tf.ones_like(trust))
 
 
+def decayed_gradient_and_trust(weight, gradient, learning_rate, weight_decay, coefficient,
+                               epsilon, use_clip=False):
+    """``(g + weight_decay * w, trust)`` from TensorFlow ops, the norms taken before the decay
+    term is added; tensors of one dtype, ``weight_decay`` None for no decay term."""
+    trust = trust_ratio(norm(weight), norm(gradient), coefficient, epsilon, weight_decay,
+                        use_clip, learning_rate)
+    return (gradient if weight_decay is None else gradient + weight_decay * weight), trust
+
+
 def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum,
                         weight_decay=0.0, coefficient=0.001, epsilon=1e-5, use_clip=False,
                         use_nesterov=False, use_kernel=None):
@@ -112,12 +121,10 @@ def apply_lars_momentum(variable, accumulator, gradient, learning_rate, momentum
                       use_nesterov=bool(use_nesterov))
         return
     lr, momentum, weight_decay, coefficient, epsilon = scalars
-    weight = tf.convert_to_tensor(var)
-    w_norm, g_norm = norm(weight), norm(gradient)
-    trust = trust_ratio(w_norm, g_norm, coefficient, epsilon, weight_decay, use_clip, lr)
+    gradient, trust = decayed_gradient_and_trust(tf.convert_to_tensor(var), gradient, lr,
+                                                 weight_decay, coefficient, epsilon, use_clip)
     tf.raw_ops.ResourceApplyKerasMomentum(
-        var=var.handle, accum=accum.handle, lr=trust * lr,
-        grad=gradient + weight_decay * weight, momentum=momentum,
+        var=var.handle, accum=accum.handle, lr=trust * lr, grad=gradient, momentum=momentum,
         use_nesterov=bool(use_nesterov))
 
 
@@ -143,6 +150,7 @@ def lars_gradient(variable, gradient, learning_rate, weight_decay, coefficient, 
     if kernel is not None:
         return kernel(var=weight, grad=gradient, lr=lr, weight_decay=weight_decay,
                       coefficient=coefficient, epsilon=epsilon, use_clip=bool(use_clip))
-    decay = None if no_decay else weight_decay
-    trust = trust_ratio(norm(weight), norm(gradient), coefficient, epsilon, decay, use_clip, lr)
-    return trust * (gradient if no_decay else gradient + decay * weight)
+    gradient, trust = decayed_gradient_and_trust(weight, gradient, lr,
+                                                 None if no_decay else weight_decay,
+                                                 coefficient, epsilon, use_clip)
+    return trust * gradient

@@ -5,8 +5,8 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register, tf_variable
 from tf_msopt._validation import check_bool, check_float, type_name
-from tf_msopt.ops.lars import (apply_lars_momentum, lars_gradient, lars_momentum_kernel, norm,
-                               trust_ratio)
+from tf_msopt.ops.lars import (apply_lars_momentum, decayed_gradient_and_trust, lars_gradient,
+                               lars_momentum_kernel)
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     WrapperOfOptimizer,
@@ -205,15 +205,12 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
     def _trust_ratio(self, gradient, variable, learning_rate, decay):
         """Returns ``(g + wd * w, trust)`` for one variable."""
         dtype = variable.dtype
-        weight = tf.convert_to_tensor(variable)
-        gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense
-        w_norm, g_norm = norm(weight), norm(gradient)
-        weight_decay = tf.cast(self.weight_decay, dtype) if decay else None
-        if decay:
-            gradient += weight_decay * weight
-        return gradient, trust_ratio(w_norm, g_norm, tf.cast(self.coefficient, dtype),
-                                     tf.cast(self.epsilon, dtype), weight_decay, self.use_clip,
-                                     tf.cast(learning_rate, dtype) if self.use_clip else None)
+        return decayed_gradient_and_trust(
+            tf.convert_to_tensor(variable),
+            tf.cast(tf.convert_to_tensor(gradient), dtype),   # IndexedSlices: dense
+            tf.cast(learning_rate, dtype) if self.use_clip else None,
+            tf.cast(self.weight_decay, dtype) if decay else None,
+            tf.cast(self.coefficient, dtype), tf.cast(self.epsilon, dtype), self.use_clip)
 
     def _fused_sgd_step(self, gradient, variable, learning_rate):
         """``keras.optimizers.SGD``'s update step as one fused kernel.

@@ -251,40 +251,36 @@ def render_thor_inverse(results):
             + machine_line(*payloads, files=files))
 
 
-CUDA_INVERSE_FILES = ["thor_inverse_cuda_64.json", "thor_inverse_cuda.json",
-                      "thor_inverse_cuda_nvrtc.json", "thor_inverse_cuda_200.json",
-                      "thor_inverse_cuda_h100_64.json", "thor_inverse_cuda_h100_128.json",
-                      "thor_inverse_cuda_h100_nvrtc.json", "thor_inverse_cuda_h100_200.json"]
 CUDA_ROUTES = {"cupy_linalg_inv": "`cupy.linalg.inv`",
-               "torch_cholesky_inverse": "torch `cholesky` + `cholesky_inverse`",
-               "torch_linalg_inv": "`torch.linalg.inv`"}
+               "torch_linalg_inv_ex": "`torch.linalg.inv_ex`",
+               "torch_cholesky_ex_inverse": "torch `cholesky_ex` + `cholesky_inverse`"}
 
 
 def render_thor_inverse_cuda(results):
-    payloads = [load(f, results) for f in CUDA_INVERSE_FILES]
-    rows, errors, gpus = [], {}, []
-    for p in payloads:
-        for blocks, b in p["batches"].items():
+    p = load("thor_inverse_cuda.json", results)
+    if not p["checks_passed"]:
+        raise ValueError("thor_inverse_cuda.json: the kernel failed its checks")
+    rows, errors = [], {}
+    for size, batches in p["sizes"].items():
+        for blocks, b in batches.items():
             ms = b["ms"]
-            rows.append([p["gpu"], f"{p['size']}, {blocks}", p["kernel_build"],
-                         f"{ms['kernel']:.3f}"]
+            rows.append([f"{size}, {blocks}", f"{ms['kernel']:.3f}"]
                         + [f"{ms[route]:.3f}" if route in ms else "" for route in CUDA_ROUTES]
-                        + [_x(b["speedup_vs_best_library"])])
-        for key, error in p["max_rel_error"].items():
-            dtype = key.split()[0]
-            errors[dtype] = max(errors.get(dtype, 0.0), error)
-        if not p["checks_passed"]:
-            raise ValueError(f"{p['kernel_build']} (size {p['size']}) failed its checks")
-        gpu = f"{p['gpu']} ({p['arch']})"
-        if gpu not in gpus:
-            gpus.append(gpu)
-    names = ", ".join(f"`benchmarks/results/{f}`" for f in CUDA_INVERSE_FILES)
+                        + [_x(b["speedup_vs_best_library"]), f"{b['kernel_tflops']:.1f}",
+                           f"{b['percent_of_fp32_peak']:.1f}%"])
+    for key, error in p["max_rel_error"].items():
+        dtype = key.split()[0]
+        errors[dtype] = max(errors.get(dtype, 0.0), error)
     worst = ", ".join(f"{dtype} {error:.1e}" for dtype, error in errors.items())
-    return (table(["GPU", "block size, blocks", "kernel built by", "kernel ms"]
+    return (table(["block size, blocks", "kernel ms"]
                   + [f"{name} ms" for name in CUDA_ROUTES.values()]
-                  + ["speed-up over the fastest library"], rows)
+                  + ["speed-up over the fastest library", "kernel TFLOP/s",
+                     "of FP32 peak"], rows)
             + f"\nLargest error relative to the largest entry of `numpy.linalg.inv`: {worst}; "
-            f"NaN and indefinite blocks flagged and zeroed.\nFrom {names}; {'; '.join(gpus)}.\n")
+            f"NaN and indefinite blocks flagged and zeroed. Medians of {p['loops']} loops of "
+            f"{p['repeats']} calls; TFLOP/s count 2 n^3 a block.\n"
+            f"From `benchmarks/results/thor_inverse_cuda.json`; {p['gpu']} ({p['arch']}, FP32 "
+            f"peak {p['fp32_peak_tflops']:.1f} TFLOP/s at {p['sm_clock_mhz']:.0f} MHz).\n")
 
 
 def render_conditional_cost(results):
@@ -597,7 +593,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
     "default_step": (render_default_step, ["default_step.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
-    "thor_inverse_cuda": (render_thor_inverse_cuda, CUDA_INVERSE_FILES),
+    "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
     "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
     "convergence_grids": (render_convergence_grids, [results_file(task) for task in ALL_TASKS]),

@@ -150,7 +150,7 @@ def test_every_benchmark_offers_out():
 def test_the_cuda_inverse_table_refuses_a_run_whose_checks_failed(tmp_path):
     results = tmp_path / "results"
     shutil.copytree(RESULTS, results)
-    assert "| 128, 64 | nvcc launcher |" in render.render_thor_inverse_cuda(str(results))
+    assert "| 128, 1024 | " in render.render_thor_inverse_cuda(str(results))
     payload = json.loads((results / "thor_inverse_cuda.json").read_text())
     payload["checks_passed"] = False
     (results / "thor_inverse_cuda.json").write_text(json.dumps(payload))

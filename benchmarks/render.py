@@ -29,7 +29,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", page)
          for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md",
-                      "adam_offload.md")]
+                      "adam_offload.md", "distributed.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
@@ -219,6 +219,25 @@ def render_thor_step_split(results):
             f"F={m['args']['frequency']}, ms:\n\n"
             + table(list(split), [[f"{ms:.1f}" for ms in split.values()]])
             + machine_line(r, files=["thor_step_resnet50_split.json"]))
+
+
+def render_thor_step_workers(results):
+    r = load("thor_step_workers.json", results)
+    rows = []
+    for where, result in r["results"].items():
+        divided, undivided = result["divided"], result["undivided"]
+        rows.append([where] + [f"{undivided[key]:.0f} / {divided[key]:.0f}" for key in (
+            "refresh_ms", "between_ms", "average_step_ms")]
+            + [_x(divided["refresh_ms"] / undivided["refresh_ms"]),
+               _x(divided["average_step_ms"] / undivided["average_step_ms"]),
+               f"{result['allreduce_bytes'] / 2 ** 20:.1f} MiB, {result['allreduce_ms']:.0f} ms"])
+    return (f"{r['depth']} Dense layers of {r['hidden']} units, global batch {r['batch']}, "
+            f"`tf_msopt.thor(model, frequency={r['frequency']})`, medians of {r['rounds']} "
+            "rounds; ms, every replica refreshing everything / the refresh divided:\n\n"
+            + table(["where", "refresh", "step between refreshes", "average step",
+                     "refresh, divided / not", "average step, divided / not",
+                     "all-reduce a refresh adds"], rows)
+            + machine_line(r, files=["thor_step_workers.json"]))
 
 
 def render_default_step(results):
@@ -591,6 +610,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
+    "thor_step_workers": (render_thor_step_workers, ["thor_step_workers.json"]),
     "default_step": (render_default_step, ["default_step.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),

@@ -20,6 +20,17 @@ Models (``--model``, ``all`` runs every one; the defaults are the targets'):
   LayerNorm] -> average pooling -> Dense, batch 32, frequency 10; every
   EinsumDense/Dense kernel must be preconditioned (checked); average <= 1.3x.
 
+``--workers N`` times the refresh divided among replicas instead (no SGD, no ``--model``):
+``N`` worker processes on localhost (``MultiWorkerMirroredStrategy``, one CPU thread each)
+and one process with ``MirroredStrategy`` over two logical CPUs train ``--depth`` Dense
+layers of ``--hidden`` units with ``tf_msopt.thor(model, frequency=--frequency)`` in a
+custom loop (global batch ``--batch``, each replica its share). Each prints, with the
+refresh divided and with every replica refreshing everything
+(``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``), interleaved: the median refresh step, the median
+step between refreshes, their difference (the refresh's cost on that worker), the average
+step, and the communication the division adds (bytes a refresh all-reduces, and the time
+of an all-reduce of that size alone).
+
 ``--split`` adds, per model, the split of one THOR step: the stale step, a THOR
 step alone, the gradient pass with and without the statistics capture, and the
 inversion of every layer's factors (the curvature blocks' ``invert`` and the bare
@@ -29,9 +40,14 @@ writes it to FILE, replacing the file).
 
     python benchmarks/thor_step.py [--model mlp|digits-mlp|resnet50|transformer|all]
                                    [--batch B] [--frequency F] [--rounds R] [--split]
+    python benchmarks/thor_step.py --workers 2 [--hidden 512] [--depth 8] [--batch 32]
 """
 import argparse
+import json
 import os
+import subprocess
+import sys
+import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -279,6 +295,155 @@ def print_split(times, frequency):
     return split
 
 
+# --- the refresh divided among workers (--workers)
+
+UNDIVIDED = "TF_MSOPT_THOR_UNDIVIDED_REFRESH"
+
+
+def scale_out_strategy():
+    """``MultiWorkerMirroredStrategy`` under ``TF_CONFIG`` (one CPU thread), else
+    ``MirroredStrategy`` over two logical CPUs (one thread each)."""
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    if "TF_CONFIG" in os.environ:
+        tf.config.threading.set_inter_op_parallelism_threads(1)
+        return tf.distribute.MultiWorkerMirroredStrategy()
+    tf.config.threading.set_inter_op_parallelism_threads(2)
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+
+
+def scale_out_worker(args):
+    """This worker's timings (see the module's docstring), as a dict."""
+    strategy = scale_out_strategy()
+    replicas = strategy.num_replicas_in_sync
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(args.batch, args.hidden)).astype("float32")
+    y = rng.integers(0, args.classes, size=args.batch).astype("int32")
+    share = args.batch // replicas
+    inputs = strategy.experimental_distribute_values_from_function(lambda context: (
+        tf.constant(x[share * context.replica_id_in_sync_group:][:share]),
+        tf.constant(y[share * context.replica_id_in_sync_group:][:share])))
+
+    def make_case(undivided):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential(
+                [keras.Input((args.hidden,))]
+                + [keras.layers.Dense(args.hidden, activation="relu")
+                   for _ in range(args.depth - 1)] + [keras.layers.Dense(args.classes)])
+            optimizer = mso.thor(model, frequency=args.frequency)
+            optimizer.build(model.trainable_variables)
+
+        @tf.function
+        def step(batch):
+            def replica_step(x, y):
+                with tf.GradientTape() as tape:
+                    loss = tf.nn.compute_average_loss(
+                        keras.losses.sparse_categorical_crossentropy(
+                            y, model(x, training=True), from_logits=True),
+                        global_batch_size=args.batch)
+                optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                                model.trainable_variables)
+            strategy.run(replica_step, args=batch)
+
+        os.environ[UNDIVIDED] = "1" if undivided else "0"   # read while the step is traced
+        for _ in range(args.frequency):
+            step(inputs)
+        return step, optimizer
+
+    cases = {"divided": make_case(False), "undivided": make_case(True)}
+    samples = {name: {"refresh": [], "between": []} for name in cases}
+    for round_index in range(args.rounds):
+        for name in (list(cases) if round_index % 2 else list(cases)[::-1]):
+            step, optimizer = cases[name]
+            for _ in range(args.frequency):
+                refresh = int(optimizer.iterations.numpy()) % args.frequency == 0
+                start = time.perf_counter()
+                step(inputs)
+                samples[name]["refresh" if refresh else "between"].append(
+                    time.perf_counter() - start)
+
+    # The communication a divided refresh adds: one all-reduce of the refreshed state.
+    optimizer = cases["divided"][1]
+    estimator = optimizer._estimator
+    elements = sum(variable.shape.num_elements() for layer in estimator.layers
+                   for variable in estimator.preconditioner.refreshed_state(layer))
+
+    @tf.function
+    def all_reduce():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
+            tf.distribute.ReduceOp.SUM, tf.zeros([elements + 2])))
+
+    all_reduce()
+    reduce_times = []
+    for _ in range(args.rounds):
+        start = time.perf_counter()
+        all_reduce()
+        reduce_times.append(time.perf_counter() - start)
+
+    result = {"replicas": replicas, "owners": optimizer.refresh_owners(replicas),
+              "allreduce_bytes": 4 * (elements + 2),
+              "allreduce_ms": 1e3 * float(np.median(reduce_times))}
+    for name, times in samples.items():
+        refresh, between = (1e3 * float(np.median(times[kind])) for kind in ("refresh", "between"))
+        result[name] = {"refresh_step_ms": refresh, "between_ms": between,
+                        "refresh_ms": refresh - between,
+                        "average_step_ms": (refresh + (args.frequency - 1) * between)
+                        / args.frequency}
+    return result
+
+
+def run_scale_out(args):
+    """``args.workers`` MultiWorkerMirroredStrategy workers on localhost, then one
+    MirroredStrategy process over two logical CPUs; returns their results by name."""
+    command = [sys.executable, os.path.abspath(__file__), "--scale-out-worker",
+               "--hidden", str(args.hidden), "--depth", str(args.depth), "--batch",
+               str(args.batch), "--frequency", str(args.frequency), "--rounds",
+               str(args.rounds), "--classes", str(args.classes)]
+
+    def collect(processes):
+        results = []
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=3600)
+            if process.returncode != 0:
+                raise SystemExit(f"a worker failed:\n{stderr[-4000:]}")
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+        return results
+
+    ports = []
+    for _ in range(args.workers):
+        import socket
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            ports.append(sock.getsockname()[1])
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
+    workers = collect([subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True, env=dict(env, TF_CONFIG=json.dumps({
+                                            "cluster": cluster,
+                                            "task": {"type": "worker", "index": index}})))
+                       for index in range(args.workers)])
+    mirrored = collect([subprocess.Popen(command, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, text=True, env=env)])
+    results = {f"worker {index}": result for index, result in enumerate(workers)}
+    results["MirroredStrategy, 2 logical CPUs"] = mirrored[0]
+    print(f"{args.depth} Dense layers of {args.hidden}, global batch {args.batch}, "
+          f"thor(model, frequency={args.frequency}); ms per step, medians of {args.rounds} rounds")
+    print(f"{'':34}{'refresh step':>13}{'between':>9}{'refresh':>9}{'average':>9}")
+    for where, result in results.items():
+        for name in ("undivided", "divided"):
+            r = result[name]
+            print(f"{where + ', ' + name:34}{r['refresh_step_ms']:>13.1f}{r['between_ms']:>9.1f}"
+                  f"{r['refresh_ms']:>9.1f}{r['average_step_ms']:>9.1f}")
+        print(f"{'':4}divided/undivided: refresh "
+              f"{result['divided']['refresh_ms'] / result['undivided']['refresh_ms']:.2f}x, "
+              f"average step {result['divided']['average_step_ms'] / result['undivided']['average_step_ms']:.2f}x; "
+              f"all-reduce of {result['allreduce_bytes'] / 2 ** 20:.1f} MiB a refresh: "
+              f"{result['allreduce_ms']:.1f} ms")
+    return results
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="mlp", choices=[*MODELS, "all"])
@@ -295,8 +460,24 @@ def main():
                         help="frequency-long runs per round (default: the model's)")
     parser.add_argument("--split", action="store_true",
                         help="also time the parts of a THOR step")
+    parser.add_argument("--workers", type=int,
+                        help="time the refresh divided among this many workers instead")
+    parser.add_argument("--depth", type=int, default=8, help="--workers only: Dense layers")
+    parser.add_argument("--scale-out-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
+    if args.scale_out_worker or args.workers:
+        args.batch = args.batch or 32
+        args.frequency = args.frequency or 10
+        args.rounds = args.rounds or 10
+        if args.scale_out_worker:
+            print(json.dumps(scale_out_worker(args)))
+            return
+        emit({"benchmark": "thor_step_workers", "machine": machine(),
+              "hidden": args.hidden, "depth": args.depth, "batch": args.batch,
+              "frequency": args.frequency, "rounds": args.rounds,
+              "results": run_scale_out(args)}, args.out)
+        return
 
     names = list(MODELS) if args.model == "all" else [args.model]
     results = {name: run_model(name, args) for name in names}

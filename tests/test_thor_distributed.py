@@ -78,3 +78,83 @@ def custom_loop_weights(strategy, shard=None, steps=6, batch=16):
     return model.get_weights()
 
 
+
+
+def deep_mlp():
+    """Eight Dense layers, the refresh's parts for the replicas to share."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((12,))] + [
+        keras.layers.Dense(width, activation="tanh") for width in (16, 24, 8, 16, 12, 20, 8)]
+        + [keras.layers.Dense(3)])
+
+
+def train_deep(strategy, monkeypatch, undivided, preset, steps=7):
+    """``steps`` steps of 16 examples with the default configuration (refresh every 3
+    steps) or MindSpore's form (every 3); returns the weights and the devices each
+    factorisation was traced in (one graph per device)."""
+    from tf_msopt.thor import block_diagonal, preconditioners
+    monkeypatch.setenv("TF_MSOPT_THOR_UNDIVIDED_REFRESH", "1" if undivided else "0")
+    devices = []
+
+    def counted(name):
+        original = getattr(block_diagonal, name)
+
+        def wrapper(*args):
+            factors = len(args[0]) if name == "robust_inverses" else 1
+            graph = tf.compat.v1.get_default_graph()  # a conditional's branch, or the function
+            while "refresh" not in graph.name:
+                graph = graph.outer_graph
+            devices.extend([graph] * factors)
+            return original(*args)
+        monkeypatch.setattr(preconditioners, name, wrapper)
+
+    counted("robust_eigenvectors")
+    counted("robust_inverses")
+    with strategy.scope():
+        model = deep_mlp()
+        if preset == "mindspore":
+            optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=8)
+        else:
+            optimizer = mso.thor(model, frequency=3, eigenbasis_tolerance=None)
+        model.compile(optimizer=optimizer, loss="mse")
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * steps, 12)).astype("float32")
+    y = rng.normal(size=(16 * steps, 3)).astype("float32")
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    return model.get_weights(), optimizer, devices
+
+
+@pytest.mark.parametrize("preset", ["default", "mindspore"])
+def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monkeypatch,
+                                                         preset):
+    """Each replica factorises about half the factors; the other half arrives through the
+    all-reduce, bit for bit what the replica would have computed (MindSpore's form: the
+    single device's result)."""
+    single, _, _ = train_deep(tf.distribute.get_strategy(), monkeypatch, False, preset)
+    keras.backend.clear_session()
+    undivided, _, everywhere = train_deep(two_cpu_strategy, monkeypatch, True, preset)
+    keras.backend.clear_session()
+    tf.distribute.MirroredStrategy._collective_key_base += 1000  # as two_cpu_strategy does
+    divided, optimizer, shared = train_deep(tf.distribute.MirroredStrategy(
+        ["/cpu:0", "/cpu:1"]), monkeypatch, False, preset)
+    for got, want in zip(divided, undivided):
+        np.testing.assert_array_equal(got, want)
+    if preset == "mindspore":
+        # The default's steps in directions of rounding-level curvature follow the order in
+        # which the statistics were summed (2e-4 apart here, divided or not).
+        assert_weights_close(divided, single, rtol=1e-5)
+    assert np.abs(divided[0] - deep_mlp().get_weights()[0]).max() > 1e-3  # it trained
+    # Without division each replica's trace factorises every factor; with it the two
+    # replicas' traces share them.
+    per_graph = {graph: everywhere.count(graph) for graph in set(everywhere)}
+    factors = max(per_graph.values())
+    assert factors == 16 and set(per_graph.values()) == {factors}
+    per_replica = [shared.count(graph) for graph in set(shared)]
+    assert len(per_replica) == 2 and sum(per_replica) == factors
+    assert max(per_replica) <= 0.6 * factors
+    owners = optimizer.refresh_owners(2)
+    assert sorted(set(owners.values())) == [0, 1] and len(owners) == 8
+    for variable in curvature_variables(optimizer, "a_inverse", "g_inverse", "a_eigenvectors",
+                                        "g_eigenvectors"):
+        first, second = (v.numpy() for v in variable.value.values)
+        np.testing.assert_array_equal(first, second)

@@ -9,11 +9,15 @@ the averages, applies the trace rule and has the preconditioner refresh its stat
 steps the optimizer's schedule says. It reads nothing back from the optimizer.
 """
 import dataclasses
+import math
+import os
 
 import tensorflow as tf
 
 from tf_msopt.thor.curvature_base import CurvatureBlock
-from tf_msopt.thor.execution import TracedOnce, buckets, on_each_device, sum_over_replicas, when
+from tf_msopt.thor.execution import (TracedOnce, balanced_owners, buckets, device_of,
+                                     on_each_device, replica_ids, sum_of_device_values,
+                                     sum_over_replicas, when)
 
 __all__ = ["CurvatureEstimator", "LayerCurvature"]
 
@@ -97,6 +101,8 @@ class CurvatureEstimator:
         self.layers = []
         self.damping_retries = self.failed_inverses = None
         self.traced_refresh = TracedOnce(self._refresh_bucket)
+        self.traced_averages = TracedOnce(self._update_bucket_averages)
+        self.traced_part = TracedOnce(self._refresh_part)
 
     # --- state
 
@@ -142,6 +148,7 @@ class CurvatureEstimator:
         is multiplied by."""
         if not statistics:
             return
+        divided = self._divides(distribution)
 
         def refresh():
             for bucket in buckets(len(statistics), self.options.split_indices):
@@ -150,32 +157,131 @@ class CurvatureEstimator:
                     distribution, [value for index in bucket for value in statistics[index]],
                     first)
                 summed = [reduced[3 * offset:3 * offset + 3] for offset in range(len(bucket))]
-                on_each_device(distribution, first, self.traced_refresh,
-                               (bucket, summed, root_damping, g_scale))
+                if divided:
+                    self._divided_update(distribution, first, bucket, summed, root_damping,
+                                         g_scale)
+                else:
+                    on_each_device(distribution, first, self.traced_refresh,
+                                   (bucket, summed, root_damping, g_scale))
             return tf.constant(True)
 
         when(is_statistics_step, refresh)
+
+    def _normalized(self, bucket, statistics, g_scale):
+        """``(layer, A, G, observed)`` of each layer of ``bucket`` from its summed
+        statistics: divided by their rows, ``G`` scaled by ``g_scale``."""
+        fresh = []
+        for index, (a, g, rows) in zip(bucket, statistics):
+            observed = rows > 0
+            rows = tf.maximum(rows, 1.0)
+            fresh.append((self.layers[index], a / rows, g / rows * g_scale, observed))
+        return fresh
 
     def _refresh_bucket(self, device_variable, bucket, statistics, root_damping, g_scale):
         """One bucket's layers on one device, from statistics summed over replicas: the
         moving averages (with ``statistics_decay``), then the refresh on refresh steps.
         ``device_variable`` (a variable of the bucket's first layer there) only says which
         device."""
-        decay = self.options.statistics_decay
-        fresh = []
-        for index, (a, g, rows) in zip(bucket, statistics):
-            observed = rows > 0
-            rows = tf.maximum(rows, 1.0)
-            a, g = a / rows, g / rows * g_scale
-            if decay is None:
-                fresh.append((self.layers[index], a, g, observed))
-            else:
-                self._update_averages(self.layers[index], a, g, observed)
-        if decay is None:   # statistics steps are refresh steps
-            return self._refresh(fresh, root_damping)
+        if self.options.statistics_decay is None:   # statistics steps are refresh steps
+            return self._refresh(self._normalized(bucket, statistics, g_scale), root_damping)
+        self._update_bucket_averages(device_variable, bucket, statistics, g_scale)
         # The bias-corrected averages are read only where they are refreshed from.
         return when(self.is_refresh_step(), lambda: self._refresh(
             [self._corrected_averages(self.layers[index]) for index in bucket], root_damping))
+
+    def _update_bucket_averages(self, device_variable, bucket, statistics, g_scale):
+        """The moving averages of one bucket's layers on one device."""
+        for layer, a, g, observed in self._normalized(bucket, statistics, g_scale):
+            self._update_averages(layer, a, g, observed)
+        return tf.constant(True)
+
+    # --- the refresh divided among replicas
+
+    def _divides(self, distribution):
+        """Whether the refresh is divided among the replicas: under a strategy of several,
+        without the trace rule (whose decisions each replica keeps for every layer), and
+        unless ``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1`` (for comparisons)."""
+        return (tf.distribute.in_cross_replica_context()
+                and distribution.num_replicas_in_sync > 1 and self.trace_thresholds is None
+                and os.environ.get("TF_MSOPT_THOR_UNDIVIDED_REFRESH", "0") in ("", "0"))
+
+    def refresh_owners(self, replicas):
+        """``{layer name: replica}``: which of ``replicas`` refreshes each layer's state
+        when the refresh is divided, balanced by the cost of its factorisations (``count *
+        size^3`` a factor of ``count`` blocks). A function of the model and the number of
+        replicas alone: a restarted worker takes the same layers."""
+        def cost(shape):
+            return math.prod(shape[:-2]) * shape[-1] ** 3 if len(shape) >= 2 else shape[0]
+
+        costs = [sum(cost(tuple(variable.shape)) for variable in
+                     self.preconditioner.refreshed_state(layer)) for layer in self.layers]
+        return {layer.block.layer: owner for layer, owner in zip(
+            self.layers, balanced_owners(costs, replicas))}
+
+    def _divided_update(self, distribution, first, bucket, summed, root_damping, g_scale):
+        """One bucket's layers with the refresh divided: the averages on every device, each
+        layer's refresh on the replica that owns it, and the refreshed state, zeros from
+        the other replicas, summed over all of them (one all-reduce a refresh)."""
+        if self.options.statistics_decay is not None:
+            on_each_device(distribution, first, self.traced_averages,
+                           (bucket, summed, g_scale))
+        ids = replica_ids(distribution)
+
+        def share():
+            parts = {}
+
+            def part(component, *args):
+                replica = ids[device_of(component)]
+                parts[replica] = self.traced_part(replica, *args)
+                return parts[replica]
+
+            distribution.extended.update(first.value, part, group=False, args=(
+                distribution.num_replicas_in_sync, bucket, summed, root_damping, g_scale))
+            total = sum_of_device_values(distribution, parts, first)
+            on_each_device(distribution, first, self._assign_shared, (bucket, total))
+            return tf.constant(True)
+
+        when(True if self.options.statistics_decay is None else self.is_refresh_step(), share)
+
+    def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
+        """This replica's share of one bucket's refresh, flat: the refreshed state of the
+        layers it owns, zeros for the others', then the counts of retried and kept blocks."""
+        owners = self.refresh_owners(replicas)
+        if self.options.statistics_decay is None:
+            fresh = self._normalized(bucket, statistics, g_scale)
+        else:
+            fresh = [self._corrected_averages(self.layers[index]) for index in bucket]
+        owned = [item for item in fresh if owners[item[0].block.layer] == replica]
+        values, retried, kept = {}, 0, 0
+        if owned:
+            retried, kept = self.preconditioner.refresh(
+                self._with_damping(owned, root_damping),
+                lambda variable, value: values.__setitem__(id(variable), value))
+        flat = []
+        for layer, *_ in fresh:
+            for variable in self.preconditioner.refreshed_state(layer):
+                if owners[layer.block.layer] == replica:
+                    value = values[id(variable)]
+                else:
+                    value = tf.zeros(variable.shape, variable.dtype)
+                flat.append(tf.reshape(value, [-1]))
+        counts = [tf.cast(0 if retried is None else retried, tf.float32),
+                  tf.cast(kept, tf.float32)]
+        return tf.concat(flat + [tf.stack(counts)], 0)
+
+    def _assign_shared(self, device_variable, bucket, total):
+        """Assigns one bucket's refreshed state from ``total`` (:meth:`_refresh_part`'s
+        layout, summed over replicas) on one device, and counts its retried and kept
+        blocks."""
+        offset = 0
+        for index in bucket:
+            for variable in self.preconditioner.refreshed_state(self.layers[index]):
+                size = variable.shape.num_elements()
+                self._assign(variable, tf.reshape(total[offset:offset + size], variable.shape))
+                offset += size
+        self._assign_add(self.damping_retries, total[offset])
+        self._assign_add(self.failed_inverses, total[offset + 1])
+        return tf.constant(True)
 
     def _update_averages(self, layer, a, g, observed):
         """Updates one layer's moving averages of A and G and its count of updates."""
@@ -205,13 +311,18 @@ class CurvatureEstimator:
         a_mean, g_mean = block.mean_eigenvalues(a, g, self.options.block_size)
         return self._factor_damping(a_mean, g_mean, root_damping)
 
+    def _with_damping(self, fresh, root_damping):
+        """``(layer, a, g, observed, damping)`` for each of ``fresh``; damping None where
+        the preconditioner does not damp the factors."""
+        return [(layer, a, g, observed,
+                 self._layer_damping(layer.block, a, g, root_damping)
+                 if self.options.damps_factors else None)
+                for layer, a, g, observed in fresh]
+
     def _refresh(self, fresh, root_damping):
         """Refreshes the preconditioner of ``fresh`` (``(layer, a, g, observed)``), where
         ``observed`` and the trace rule (if any) say so."""
-        fresh = [(layer, a, g, observed,
-                  self._layer_damping(layer.block, a, g, root_damping)
-                  if self.options.damps_factors else None)
-                 for layer, a, g, observed in fresh]
+        fresh = self._with_damping(fresh, root_damping)
         if self.trace_thresholds is None:
             self._refresh_layers(fresh)
             return tf.constant(True)

@@ -4,11 +4,14 @@
 - :class:`TracedOnce`: one ``tf.function`` reused by every trace of a train step;
 - :func:`global_batch`, :func:`sum_over_replicas`, :func:`on_each_device` and
   :func:`buckets`: the global batch size, the all-reduce of the statistics (bucketed
-  as MindSpore's ``split_indices`` say) and the per-device updates of mirrored state.
+  as MindSpore's ``split_indices`` say) and the per-device updates of mirrored state;
+- :func:`balanced_owners`, :func:`replica_ids` and :func:`sum_of_device_values`: a
+  refresh divided among the replicas, each part computed on one and summed to all.
 """
 import tensorflow as tf
 
-__all__ = ["TracedOnce", "buckets", "global_batch", "on_each_device", "replicas_in_sync",
+__all__ = ["TracedOnce", "balanced_owners", "buckets", "device_of", "global_batch",
+           "on_each_device", "replica_ids", "replicas_in_sync", "sum_of_device_values",
            "sum_over_replicas", "when"]
 
 
@@ -69,3 +72,44 @@ def on_each_device(distribution, variable, fn, args):
     if not tf.distribute.in_cross_replica_context():
         return fn(variable.value, *args)
     return distribution.extended.update(variable.value, fn, args=args, group=False)
+
+
+def balanced_owners(costs, replicas):
+    """The replica that computes each of the parts whose ``costs`` are given: the costliest
+    part first, each to the replica with the least cost so far (the lowest index among
+    equals). Depends only on ``costs`` and ``replicas``, so every worker, restarted or not,
+    computes the same assignment."""
+    load, owners = [0] * replicas, [0] * len(costs)
+    for part in sorted(range(len(costs)), key=lambda index: (-costs[index], index)):
+        owner = min(range(replicas), key=lambda replica: (load[replica], replica))
+        owners[part] = owner
+        load[owner] += costs[part]
+    return owners
+
+
+def replica_ids(distribution):
+    """``{device: replica id in the sync group}`` for this worker's devices."""
+    ids = distribution.experimental_local_results(
+        distribution.experimental_distribute_values_from_function(
+            lambda context: context.replica_id_in_sync_group))
+    return {_canonical(device): replica
+            for device, replica in zip(distribution.extended.worker_devices, ids)}
+
+
+def sum_of_device_values(distribution, values, destination):
+    """The sum over all replicas of ``values`` (``{replica id: tensor}`` for this worker's
+    replicas, each on its device), onto the devices of the mirrored variable
+    ``destination``: one all-reduce through the strategy's collectives."""
+    per_replica = distribution.experimental_distribute_values_from_function(
+        lambda context: values[context.replica_id_in_sync_group])
+    return distribution.extended.batch_reduce_to(
+        tf.distribute.ReduceOp.SUM, [(per_replica, destination.value)])[0]
+
+
+def device_of(variable_component):
+    """The canonical name of the device a per-device function runs on."""
+    return _canonical(variable_component.device)
+
+
+def _canonical(device):
+    return tf.DeviceSpec.from_string(device).to_string()

@@ -168,6 +168,11 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         layers = self._estimator.layers if self._estimator is not None else ()
         return {layer.block.layer: layer for layer in layers}
 
+    def refresh_owners(self, replicas):
+        """``{layer name: replica}``: which of ``replicas`` refreshes each factored layer
+        when a strategy divides the refresh (after ``build``)."""
+        return self._estimator.refresh_owners(replicas) if self._estimator is not None else {}
+
     def build(self, var_list):
         if self.built:
             return

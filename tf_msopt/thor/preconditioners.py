@@ -64,6 +64,11 @@ class InversePreconditioner:
         layer.a_inverse = add_variable(a_shape, _identity_blocks, f"{name}_a_inverse")
         layer.g_inverse = add_variable(g_shape, _identity_blocks, f"{name}_g_inverse")
 
+    def refreshed_state(self, layer):
+        """The variables of ``layer`` that :meth:`refresh` assigns."""
+        return [layer.a_inverse, layer.g_inverse] if self.precondition_inputs else [
+            layer.g_inverse]
+
     def refresh(self, refreshes, assign):
         """New inverses for ``refreshes`` (``(layer, a, g, use, damping)``; blocks of one size
         inverted in one call), assigned where ``use`` holds. Returns the counts of blocks
@@ -166,6 +171,11 @@ class EigenbasisPreconditioner:
         if rotate_a:
             layer.a_eigenvectors = add_variable(a_shape, _identity_blocks,
                                                 f"{name}_a_eigenvectors")
+
+    def refreshed_state(self, layer):
+        """The variables of ``layer`` that :meth:`refresh` assigns."""
+        return [vectors for vectors in (layer.g_eigenvectors, layer.a_eigenvectors)
+                if vectors is not None]
 
     def refresh(self, refreshes, assign):
         """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),

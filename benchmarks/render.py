@@ -230,13 +230,13 @@ def render_thor_step_workers(results):
             "refresh_ms", "between_ms", "average_step_ms")]
             + [_x(divided["refresh_ms"] / undivided["refresh_ms"]),
                _x(divided["average_step_ms"] / undivided["average_step_ms"]),
-               f"{result['allreduce_bytes'] / 2 ** 20:.1f} MiB, {result['allreduce_ms']:.0f} ms"])
+               f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, {result['all_gather_ms']:.0f} ms"])
     return (f"{r['depth']} Dense layers of {r['hidden']} units, global batch {r['batch']}, "
             f"`tf_msopt.thor(model, frequency={r['frequency']})`, medians of {r['rounds']} "
             "rounds; ms, every replica refreshing everything / the refresh divided:\n\n"
             + table(["where", "refresh", "step between refreshes", "average step",
                      "refresh, divided / not", "average step, divided / not",
-                     "all-reduce a refresh adds"], rows)
+                     "all-gather a refresh adds"], rows)
             + machine_line(r, files=["thor_step_workers.json"]))
 
 

@@ -28,8 +28,8 @@ custom loop (global batch ``--batch``, each replica its share). Each prints, wit
 refresh divided and with every replica refreshing everything
 (``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``), interleaved: the median refresh step, the median
 step between refreshes, their difference (the refresh's cost on that worker), the average
-step, and the communication the division adds (bytes a refresh all-reduces, and the time
-of an all-reduce of that size alone).
+step, and the communication the division adds (the bytes a refresh gathers, and the time
+of an all-gather of that size alone).
 
 ``--split`` adds, per model, the split of one THOR step: the stale step, a THOR
 step alone, the gradient pass with and without the statistics capture, and the
@@ -364,27 +364,28 @@ def scale_out_worker(args):
                 samples[name]["refresh" if refresh else "between"].append(
                     time.perf_counter() - start)
 
-    # The communication a divided refresh adds: one all-reduce of the refreshed state.
+    # The communication a divided refresh adds: one all-gather of the refreshed state (each
+    # replica's share; timed with equal shares).
     optimizer = cases["divided"][1]
     estimator = optimizer._estimator
     elements = sum(variable.shape.num_elements() for layer in estimator.layers
                    for variable in estimator.preconditioner.refreshed_state(layer))
 
     @tf.function
-    def all_reduce():
-        return strategy.run(lambda: tf.distribute.get_replica_context().all_reduce(
-            tf.distribute.ReduceOp.SUM, tf.zeros([elements + 2])))
+    def all_gather():
+        return strategy.run(lambda: tf.distribute.get_replica_context().all_gather(
+            tf.zeros([elements // replicas]), axis=0))
 
-    all_reduce()
-    reduce_times = []
+    all_gather()
+    gather_times = []
     for _ in range(args.rounds):
         start = time.perf_counter()
-        all_reduce()
-        reduce_times.append(time.perf_counter() - start)
+        all_gather()
+        gather_times.append(time.perf_counter() - start)
 
     result = {"replicas": replicas, "owners": optimizer.refresh_owners(replicas),
-              "allreduce_bytes": 4 * (elements + 2),
-              "allreduce_ms": 1e3 * float(np.median(reduce_times))}
+              "gathered_bytes": 4 * elements,
+              "all_gather_ms": 1e3 * float(np.median(gather_times))}
     for name, times in samples.items():
         refresh, between = (1e3 * float(np.median(times[kind])) for kind in ("refresh", "between"))
         result[name] = {"refresh_step_ms": refresh, "between_ms": between,
@@ -439,8 +440,8 @@ def run_scale_out(args):
         print(f"{'':4}divided/undivided: refresh "
               f"{result['divided']['refresh_ms'] / result['undivided']['refresh_ms']:.2f}x, "
               f"average step {result['divided']['average_step_ms'] / result['undivided']['average_step_ms']:.2f}x; "
-              f"all-reduce of {result['allreduce_bytes'] / 2 ** 20:.1f} MiB a refresh: "
-              f"{result['allreduce_ms']:.1f} ms")
+              f"all-gather of {result['gathered_bytes'] / 2 ** 20:.1f} MiB a refresh: "
+              f"{result['all_gather_ms']:.1f} ms")
     return results
 
 

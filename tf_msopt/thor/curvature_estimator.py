@@ -16,7 +16,7 @@ import tensorflow as tf
 
 from tf_msopt.thor.curvature_base import CurvatureBlock
 from tf_msopt.thor.execution import (TracedOnce, balanced_owners, buckets, device_of,
-                                     on_each_device, replica_ids, sum_of_device_values,
+                                     gather_device_values, on_each_device, replica_ids,
                                      sum_over_replicas, when)
 
 __all__ = ["CurvatureEstimator", "LayerCurvature"]
@@ -220,12 +220,12 @@ class CurvatureEstimator:
 
     def _divided_update(self, distribution, first, bucket, summed, root_damping, g_scale):
         """One bucket's layers with the refresh divided: the averages on every device, each
-        layer's refresh on the replica that owns it, and the refreshed state, zeros from
-        the other replicas, summed over all of them (one all-reduce a refresh)."""
+        layer's refresh on the replica that owns it, and every replica's refreshed state
+        gathered by all of them (one all-gather a refresh)."""
         if self.options.statistics_decay is not None:
             on_each_device(distribution, first, self.traced_averages,
                            (bucket, summed, g_scale))
-        ids = replica_ids(distribution)
+        ids, replicas = replica_ids(distribution), distribution.num_replicas_in_sync
 
         def share():
             parts = {}
@@ -236,51 +236,55 @@ class CurvatureEstimator:
                 return parts[replica]
 
             distribution.extended.update(first.value, part, group=False, args=(
-                distribution.num_replicas_in_sync, bucket, summed, root_damping, g_scale))
-            total = sum_of_device_values(distribution, parts, first)
-            on_each_device(distribution, first, self._assign_shared, (bucket, total))
+                replicas, bucket, summed, root_damping, g_scale))
+            gathered = gather_device_values(distribution, parts)
+            on_each_device(distribution, first, self._assign_gathered,
+                           (replicas, bucket, gathered))
             return tf.constant(True)
 
         when(True if self.options.statistics_decay is None else self.is_refresh_step(), share)
 
+    def _owned(self, replica, replicas, bucket):
+        """The layers of ``bucket`` that ``replica`` (of ``replicas``) refreshes."""
+        owners = self.refresh_owners(replicas)
+        return [index for index in bucket if owners[self.layers[index].block.layer] == replica]
+
     def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
         """This replica's share of one bucket's refresh, flat: the refreshed state of the
-        layers it owns, zeros for the others', then the counts of retried and kept blocks."""
-        owners = self.refresh_owners(replicas)
+        layers it owns, in layer order, then its counts of retried and kept blocks."""
+        owned = self._owned(replica, replicas, bucket)
         if self.options.statistics_decay is None:
-            fresh = self._normalized(bucket, statistics, g_scale)
+            fresh = [item for index, item in zip(
+                bucket, self._normalized(bucket, statistics, g_scale)) if index in owned]
         else:
-            fresh = [self._corrected_averages(self.layers[index]) for index in bucket]
-        owned = [item for item in fresh if owners[item[0].block.layer] == replica]
+            fresh = [self._corrected_averages(self.layers[index]) for index in owned]
         values, retried, kept = {}, 0, 0
-        if owned:
+        if fresh:
             retried, kept = self.preconditioner.refresh(
-                self._with_damping(owned, root_damping),
+                self._with_damping(fresh, root_damping),
                 lambda variable, value: values.__setitem__(id(variable), value))
-        flat = []
-        for layer, *_ in fresh:
-            for variable in self.preconditioner.refreshed_state(layer):
-                if owners[layer.block.layer] == replica:
-                    value = values[id(variable)]
-                else:
-                    value = tf.zeros(variable.shape, variable.dtype)
-                flat.append(tf.reshape(value, [-1]))
+        flat = [tf.reshape(values[id(variable)], [-1]) for index in owned
+                for variable in self.preconditioner.refreshed_state(self.layers[index])]
         counts = [tf.cast(0 if retried is None else retried, tf.float32),
                   tf.cast(kept, tf.float32)]
         return tf.concat(flat + [tf.stack(counts)], 0)
 
-    def _assign_shared(self, device_variable, bucket, total):
-        """Assigns one bucket's refreshed state from ``total`` (:meth:`_refresh_part`'s
-        layout, summed over replicas) on one device, and counts its retried and kept
-        blocks."""
-        offset = 0
-        for index in bucket:
-            for variable in self.preconditioner.refreshed_state(self.layers[index]):
-                size = variable.shape.num_elements()
-                self._assign(variable, tf.reshape(total[offset:offset + size], variable.shape))
-                offset += size
-        self._assign_add(self.damping_retries, total[offset])
-        self._assign_add(self.failed_inverses, total[offset + 1])
+    def _assign_gathered(self, device_variable, replicas, bucket, gathered):
+        """Assigns one bucket's refreshed state from ``gathered`` (every replica's
+        :meth:`_refresh_part`, in replica order) on one device, and counts the retried
+        and kept blocks."""
+        offset, retried, kept = 0, 0.0, 0.0
+        for replica in range(replicas):
+            for index in self._owned(replica, replicas, bucket):
+                for variable in self.preconditioner.refreshed_state(self.layers[index]):
+                    size = variable.shape.num_elements()
+                    self._assign(variable, tf.reshape(gathered[offset:offset + size],
+                                                      variable.shape))
+                    offset += size
+            retried, kept = retried + gathered[offset], kept + gathered[offset + 1]
+            offset += 2
+        self._assign_add(self.damping_retries, retried)
+        self._assign_add(self.failed_inverses, kept)
         return tf.constant(True)
 
     def _update_averages(self, layer, a, g, observed):

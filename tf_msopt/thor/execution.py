@@ -5,13 +5,13 @@
 - :func:`global_batch`, :func:`sum_over_replicas`, :func:`on_each_device` and
   :func:`buckets`: the global batch size, the all-reduce of the statistics (bucketed
   as MindSpore's ``split_indices`` say) and the per-device updates of mirrored state;
-- :func:`balanced_owners`, :func:`replica_ids` and :func:`sum_of_device_values`: a
-  refresh divided among the replicas, each part computed on one and summed to all.
+- :func:`balanced_owners`, :func:`replica_ids` and :func:`gather_device_values`: a
+  refresh divided among the replicas, each part computed on one and gathered by all.
 """
 import tensorflow as tf
 
-__all__ = ["TracedOnce", "balanced_owners", "buckets", "device_of", "global_batch",
-           "on_each_device", "replica_ids", "replicas_in_sync", "sum_of_device_values",
+__all__ = ["TracedOnce", "balanced_owners", "buckets", "device_of", "gather_device_values",
+           "global_batch", "on_each_device", "replica_ids", "replicas_in_sync",
            "sum_over_replicas", "when"]
 
 
@@ -96,14 +96,13 @@ def replica_ids(distribution):
             for device, replica in zip(distribution.extended.worker_devices, ids)}
 
 
-def sum_of_device_values(distribution, values, destination):
-    """The sum over all replicas of ``values`` (``{replica id: tensor}`` for this worker's
-    replicas, each on its device), onto the devices of the mirrored variable
-    ``destination``: one all-reduce through the strategy's collectives."""
+def gather_device_values(distribution, values):
+    """``values`` (``{replica id: vector}`` for this worker's replicas, each on its device)
+    of every replica, concatenated in replica order: one all-gather through the strategy's
+    collectives."""
     per_replica = distribution.experimental_distribute_values_from_function(
         lambda context: values[context.replica_id_in_sync_group])
-    return distribution.extended.batch_reduce_to(
-        tf.distribute.ReduceOp.SUM, [(per_replica, destination.value)])[0]
+    return distribution.gather(per_replica, axis=0)
 
 
 def device_of(variable_component):

@@ -45,6 +45,7 @@ writes it to FILE, replacing the file).
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -367,9 +368,8 @@ def scale_out_worker(args):
     # The communication a divided refresh adds: one all-gather of the refreshed state (each
     # replica's share; timed with equal shares).
     optimizer = cases["divided"][1]
-    estimator = optimizer._estimator
-    elements = sum(variable.shape.num_elements() for layer in estimator.layers
-                   for variable in estimator.preconditioner.refreshed_state(layer))
+    elements = sum(variable.shape.num_elements() for layer in optimizer.curvature.values()
+                   for variable in optimizer.preconditioner.refreshed_state(layer))
 
     @tf.function
     def all_gather():
@@ -414,7 +414,6 @@ def run_scale_out(args):
 
     ports = []
     for _ in range(args.workers):
-        import socket
         with socket.socket() as sock:
             sock.bind(("localhost", 0))
             ports.append(sock.getsockname()[1])

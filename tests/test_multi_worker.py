@@ -2,7 +2,8 @@
 with the custom loop of examples/multi_worker.py and end with the weights of single-process
 training on the global batch. The same processes train THOR on the mixed model of
 tests/test_thor_distributed.py (Conv2D, Embedding, attention, LayerNorm), each worker feeding
-its half of every global batch."""
+its half of every global batch, in MindSpore's form and in the default configuration (whose
+refresh the workers divide)."""
 import numpy as np
 import pytest
 
@@ -31,9 +32,11 @@ TRAIN_ALL = f"""
     shard = strategy.cluster_resolver.task_id if strategy.num_replicas_in_sync > 1 else None
     keras.backend.clear_session()
     mixed = [w.tolist() for w in custom_loop_weights(strategy, shard=shard)]
+    keras.backend.clear_session()
+    default = [w.tolist() for w in custom_loop_weights(strategy, shard=shard, default=True)]
     mixed_initial = [w.tolist() for w in mixed_model().get_weights()]
     print(json.dumps({{"replicas": strategy.num_replicas_in_sync, "weights": weights,
-                      "initial": initial, "thor_mixed": mixed,
+                      "initial": initial, "thor_mixed": mixed, "thor_default": default,
                       "thor_mixed_initial": mixed_initial}}))
 """
 
@@ -57,3 +60,10 @@ def test_two_workers_equal_one_process_for_every_optimizer():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg="thor mixed")
         assert max(np.abs(np.asarray(w) - np.asarray(s)).max() for w, s in zip(
             single["thor_mixed"], single["thor_mixed_initial"])) > 1e-4
+        # The default configuration, its refresh divided between the workers: both hold the
+        # same bits, and one process's weights up to the rounding its eigenbasis steps
+        # amplify (tests/test_thor_distributed.py).
+        for got, want in zip(result["thor_default"], single["thor_default"]):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6, err_msg="thor default")
+    for got, other in zip(workers[0]["thor_default"], workers[1]["thor_default"]):
+        np.testing.assert_array_equal(got, other)

@@ -49,12 +49,14 @@ def test_subsampled_statistics_equal_one_device(two_cpu_strategy):
     assert_weights_close(mirrored, single, rtol=1e-5)
 
 
-def custom_loop_weights(strategy, shard=None, steps=6, batch=16):
+def custom_loop_weights(strategy, shard=None, steps=6, batch=16, default=False):
     """A custom loop (``strategy.run``) on global batches of ``batch``; with ``shard``, this
-    worker feeds its half of each batch (tests/test_multi_worker.py runs it on two workers)."""
+    worker feeds its half of each batch (tests/test_multi_worker.py runs it on two workers).
+    MindSpore's form, or with ``default`` the default configuration."""
     with strategy.scope():
         model = mixed_model()
-        optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4)
+        optimizer = (mso.thor(model, frequency=3) if default else
+                     mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4))
         optimizer.build(model.trainable_variables)
 
     @tf.function

@@ -18,6 +18,7 @@
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
 #include "tensorflow/core/kernels/training_op_helpers.h"
+#include "scalar_inputs.h"
 #include "streaming.h"
 
 namespace tensorflow {
@@ -77,7 +78,11 @@ __attribute__((target_clones("avx2", "default"))) void UpdateRange(
   tf_msopt::StreamChunks<T>(begin, end, update, grad, m, var);
 }
 
-template <typename T, void (*kScales)(T, T, T, T[3])>
+// The name of each op's second scalar input (its REGISTER_SIGN_OP argument below).
+constexpr char kAlpha[] = "alpha";
+constexpr char kLogbase[] = "logbase";
+
+template <typename T, void (*kScales)(T, T, T, T[3]), const char* kCoefficient>
 class ApplySignOp : public OpKernel {
  public:
   explicit ApplySignOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -101,14 +106,9 @@ class ApplySignOp : public OpKernel {
                 errors::InvalidArgument("var, m and grad must have the same shape: ",
                                         var.shape().DebugString(), ", ", m.shape().DebugString(),
                                         ", ", grad.shape().DebugString()));
-    T scalars[4];  // lr, alpha or logbase, sign_decay, beta
-    for (int i = 0; i < 4; ++i) {
-      const Tensor& t = ctx->input(2 + i);
-      OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(t.shape()),
-                  errors::InvalidArgument(requested_input(2 + i), " must be a scalar, got shape ",
-                                          t.shape().DebugString()));
-      scalars[i] = t.scalar<T>()();
-    }
+    T scalars[4];
+    OP_REQUIRES_OK(ctx, tf_msopt::ReadScalars(ctx, 2, {"lr", kCoefficient, "sign_decay", "beta"},
+                                              scalars));
     T scale[3];
     kScales(scalars[0], scalars[1], scalars[2], scale);
     const T beta = scalars[3];
@@ -143,16 +143,16 @@ class ApplySignOp : public OpKernel {
       .SetShapeFn(SignUpdateShape)                                                 \
       .Doc("One-pass " name " update of resource variables var and m in place.");
 
-REGISTER_SIGN_OP("MsOptResourceApplyAddSign", "alpha")
-REGISTER_SIGN_OP("MsOptResourceApplyPowerSign", "logbase")
+REGISTER_SIGN_OP("MsOptResourceApplyAddSign", "alpha")     // kAlpha
+REGISTER_SIGN_OP("MsOptResourceApplyPowerSign", "logbase") // kLogbase
 
 #define REGISTER_SIGN_KERNELS(T)                                                   \
   REGISTER_KERNEL_BUILDER(                                                         \
       Name("MsOptResourceApplyAddSign").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      (ApplySignOp<T, AddSignScales<T>>));                                         \
+      (ApplySignOp<T, AddSignScales<T>, kAlpha>));                                         \
   REGISTER_KERNEL_BUILDER(                                                         \
       Name("MsOptResourceApplyPowerSign").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
-      (ApplySignOp<T, PowerSignScales<T>>));
+      (ApplySignOp<T, PowerSignScales<T>, kLogbase>));
 
 REGISTER_SIGN_KERNELS(float)
 REGISTER_SIGN_KERNELS(double)

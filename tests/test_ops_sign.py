@@ -131,6 +131,22 @@ def test_dispatch_uses_the_one_pass_kernel_unless_disabled(rule):
     assert _custom_kernel(rule, tf.float32, "/device:GPU:0") is None
 
 
+@pytest.mark.parametrize("rule, coefficient", [("add_sign", "alpha"),
+                                               ("power_sign", "logbase")])
+def test_one_pass_kernel_names_an_input_that_is_not_a_scalar(rule, coefficient):
+    """The kernel's own check, behind the wrappers' (which reshape size-1 inputs)."""
+    kernel = _custom_kernel(rule, tf.float32, "/job:localhost/device:CPU:0")
+    if kernel is None:
+        pytest.skip("custom ops not loaded (the kill-switch pass tests the TF path)")
+    var, m = tf.Variable(np.ones(3, np.float32)), tf.Variable(np.zeros(3, np.float32))
+    scalars = dict(lr=0.1, sign_decay=0.0, beta=0.9, **{coefficient: 1.0})
+    for name in scalars:
+        with pytest.raises(tf.errors.InvalidArgumentError,
+                           match=f"'{name}' must be a scalar, but got shape \\[2\\]"):
+            kernel(var=var.handle, m=m.handle, grad=tf.ones(3),
+                   **{**scalars, name: tf.ones(2)})
+
+
 @pytest.mark.parametrize("mode", ["eager", "function", "xla"])
 def test_eager_function_and_xla_agree(mode):
     c = _arrays(S2, np.float32)

@@ -6,7 +6,7 @@ import tensorflow as tf
 
 import tf_msopt as mso
 from tf_msopt.ops import _loader
-from tf_msopt.ops.lars import apply_lars_momentum, lars_gradient, lars_momentum_kernel
+from tf_msopt.ops.lars import _kernel, apply_lars_momentum, lars_gradient, lars_momentum_kernel
 
 
 def use_backend(monkeypatch, backend):
@@ -167,8 +167,7 @@ def test_lars_optimizer_uses_the_kernel(monkeypatch):
 
 def test_lars_gradient_kernel_checks_its_inputs(monkeypatch):
     use_backend(monkeypatch, "kernel")
-    kernel = lars_momentum_kernel(tf.Variable(np.ones(4, np.float32)), tf.ones(4),
-                                  "ms_opt_lars_gradient")
+    kernel = _kernel("ms_opt_lars_gradient", tf.Variable(np.ones(4, np.float32)), tf.ones(4))
     scalars = dict(lr=0.1, weight_decay=0.0, coefficient=0.001, epsilon=1e-5)
     with pytest.raises(tf.errors.InvalidArgumentError, match="'lr' must be a scalar"):
         kernel(var=tf.ones(4), grad=tf.ones(4), **{**scalars, "lr": tf.ones(2)})

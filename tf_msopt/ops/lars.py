@@ -31,14 +31,19 @@ __all__ = ["apply_lars_momentum", "decayed_gradient_and_trust", "lars_gradient",
 _KERNEL_DTYPES = (tf.float32, tf.float64)
 
 
-def lars_momentum_kernel(variable, gradient, name="ms_opt_resource_apply_lars_momentum"):
-    """The compiled kernel's wrapper (``name``: the momentum update, or
-    ``ms_opt_lars_gradient``) when it can run this update here, else None.
+def lars_momentum_kernel(variable, gradient):
+    """The compiled momentum update's wrapper when it can run this update here, else None.
 
     It can when the library is loaded (and not switched off), the gradient is
     dense, the dtype is float32/float64, the variable is on a CPU and the step is
     not being XLA-compiled.
     """
+    return _kernel("ms_opt_resource_apply_lars_momentum", variable, gradient)
+
+
+def _kernel(name, variable, gradient):
+    """The compiled LARS kernel ``name`` where it can run (see :func:`lars_momentum_kernel`),
+    else None."""
     if isinstance(gradient, tf.IndexedSlices) or in_xla_context():
         return None
     variable = tf_variable(variable)
@@ -46,8 +51,7 @@ def lars_momentum_kernel(variable, gradient, name="ms_opt_resource_apply_lars_mo
         return None
     if tf.DeviceSpec.from_string(variable.device or "").device_type not in (None, "CPU"):
         return None
-    module = load_custom_ops()
-    return getattr(module, name, None)
+    return getattr(load_custom_ops(), name, None)
 
 
 def _scalar(x, dtype):
@@ -132,7 +136,7 @@ def lars_gradient(variable, gradient, learning_rate, weight_decay, coefficient, 
                   use_clip=False, use_kernel=None):
     """LARS' gradient for a wrapped optimizer, ``trust * (g + weight_decay * w)``.
 
-    The compiled ``MsOptLarsGradient`` (where :func:`lars_momentum_kernel` says it can run)
+    The compiled ``MsOptLarsGradient`` (where the momentum update's kernel could run)
     reads ``w`` and ``g`` once for both norms and once more to write the result; the
     TensorFlow ops read them for each norm and write ``g + weight_decay * w`` before
     scaling it; a ``weight_decay`` of 0 leaves its term out (``w`` is not read again).
@@ -140,8 +144,7 @@ def lars_gradient(variable, gradient, learning_rate, weight_decay, coefficient, 
     """
     var = tf_variable(variable)
     dtype = var.dtype
-    kernel = (lars_momentum_kernel(var, gradient, "ms_opt_lars_gradient")
-              if use_kernel is not False else None)
+    kernel = _kernel("ms_opt_lars_gradient", var, gradient) if use_kernel is not False else None
     gradient = tf.cast(tf.convert_to_tensor(gradient), dtype)   # IndexedSlices: dense
     weight = tf.convert_to_tensor(var)
     no_decay = isinstance(weight_decay, (int, float)) and not weight_decay

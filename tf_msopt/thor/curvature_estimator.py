@@ -254,8 +254,8 @@ class CurvatureEstimator:
         layers it owns, in layer order, then its counts of retried and kept blocks."""
         owned = self._owned(replica, replicas, bucket)
         if self.options.statistics_decay is None:
-            fresh = [item for index, item in zip(
-                bucket, self._normalized(bucket, statistics, g_scale)) if index in owned]
+            fresh = self._normalized(owned, [statistics[bucket.index(index)] for index in owned],
+                                     g_scale)
         else:
             fresh = [self._corrected_averages(self.layers[index]) for index in owned]
         values, retried, kept = {}, 0, 0

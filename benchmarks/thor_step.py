@@ -405,11 +405,16 @@ def run_scale_out(args):
 
     def collect(processes):
         results = []
-        for process in processes:
-            stdout, stderr = process.communicate(timeout=3600)
-            if process.returncode != 0:
-                raise SystemExit(f"a worker failed:\n{stderr[-4000:]}")
-            results.append(json.loads(stdout.strip().splitlines()[-1]))
+        try:
+            for process in processes:
+                stdout, stderr = process.communicate(timeout=3600)
+                if process.returncode != 0:
+                    raise SystemExit(f"a worker failed:\n{stderr[-4000:]}")
+                results.append(json.loads(stdout.strip().splitlines()[-1]))
+        finally:   # a failed worker leaves the others waiting in a collective
+            for process in processes:
+                if process.poll() is None:
+                    process.kill()
         return results
 
     ports = []

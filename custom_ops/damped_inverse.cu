@@ -114,8 +114,6 @@ __global__ void __launch_bounds__(kThreadsX * kThreadsY)
   if (tid == 0) ok[blockIdx.x] = !bad;
 }
 
-
-
 // ------------------------------------------------- cluster helpers (one block: plain)
 
 template <int kCluster>

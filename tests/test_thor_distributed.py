@@ -102,7 +102,9 @@ def train_deep(strategy, monkeypatch, undivided, preset, steps=7):
         original = getattr(block_diagonal, name)
 
         def wrapper(*args):
-            factors = len(args[0]) if name == "robust_inverses" else 1
+            # Blocks: the eigenbasis decomposes same-shaped factors (here one block each)
+            # in one call.
+            factors = len(args[0]) if name == "robust_inverses" else args[0].shape[0]
             graph = tf.compat.v1.get_default_graph()  # a conditional's branch, or the function
             while "refresh" not in graph.name:
                 graph = graph.outer_graph

@@ -350,8 +350,13 @@ def test_options_match_numpy_reference(case):
     if case == "eigenbasis_tolerance":
         # Bases kept and replaced, and no decision within float32's reach of the edge (the
         # fractions of float32 and float64 agree to about 1e-6).
-        assert {keep for keep, _ in reference.basis_decisions} == {True, False}
-        assert min(abs(margin) for _, margin in reference.basis_decisions) > 1e-4
+        assert {keep for keep, _, _ in reference.basis_decisions} == {True, False}
+        assert min(abs(margin) for _, margin, _ in reference.basis_decisions) > 1e-4
+        # fc1's G and head's A share a layout (6 in blocks of 4), so one call decomposes
+        # both: on some refresh one of them keeps its basis while the other is replaced.
+        shared = [keep for keep, _, factor in reference.basis_decisions
+                  if factor in ("fc1.g", "head.a")]
+        assert any(fc1 != head for fc1, head in zip(shared[::2], shared[1::2]))
     if case.startswith("output_side_only"):    # A is estimated but never inverted
         for a_inverse in (state.a_inverse for state in optimizer.curvature.values()):
             value = a_inverse.numpy()

@@ -519,14 +519,14 @@ class ThorReference:
             return bases
         previous = self.bases.get(layer.name, (None, None))
         kept = []
-        for factor, basis, old in zip(factors, bases, previous):
+        for side, factor, basis, old in zip("ag", factors, bases, previous):
             if basis is None:
                 kept.append(None)
                 continue
             old = np.eye(len(factor)) if old is None else old
             margins = basis_drifts(factor, old, self.block_size) - self.eigenbasis_tolerance
             keep = bool(np.all(margins <= 0))
-            self.basis_decisions.append((keep, np.max(margins)))
+            self.basis_decisions.append((keep, np.max(margins), f"{layer.name}.{side}"))
             kept.append(old if keep else basis)
         return tuple(kept)
 

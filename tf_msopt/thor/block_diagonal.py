@@ -45,12 +45,14 @@ class BlockLayout(NamedTuple):
         return self.with_padding_diagonal(blocks, 1.0)
 
     def with_padding_diagonal(self, blocks, value):
-        """``blocks`` with ``value`` on the diagonal of each padded position."""
+        """``blocks`` (one or more factors of this layout, stacked: ``[copies * count, size,
+        size]``) with ``value`` on the diagonal of each padded position."""
         if not self.padding:
             return blocks
         mask = (np.arange(self.count * self.size) >= self.dim).reshape(self.count, 1, self.size)
-        return blocks + tf.constant(value * np.eye(self.size, dtype=np.float32) * mask,
-                                    blocks.dtype)
+        copies = blocks.shape[0] // self.count
+        return blocks + tf.constant(value * np.eye(self.size, dtype=np.float32)
+                                    * np.tile(mask, (copies, 1, 1)), blocks.dtype)
 
 
 def _split(matrix, layout, axis):
@@ -88,15 +90,17 @@ def covariance_blocks(rows, layout):
     return tf.stack(products)
 
 
-def left_multiply(blocks, layout, matrix):
-    """``blockdiag(blocks) @ matrix`` for ``matrix`` of shape ``[dim, k]``."""
-    return _join([tf.matmul(block, part) for block, part in
+def left_multiply(blocks, layout, matrix, transpose=False):
+    """``blockdiag(blocks) @ matrix`` (``transpose``: ``blockdiag(blocks)^T @ matrix``) for
+    ``matrix`` of shape ``[dim, k]``."""
+    return _join([tf.matmul(block, part, transpose_a=transpose) for block, part in
                   zip(_unstack(blocks, layout), _split(matrix, layout, 0))], axis=0)
 
 
-def right_multiply(matrix, blocks, layout):
-    """``matrix @ blockdiag(blocks)`` for ``matrix`` of shape ``[k, dim]``."""
-    return _join([tf.matmul(part, block) for part, block in
+def right_multiply(matrix, blocks, layout, transpose=False):
+    """``matrix @ blockdiag(blocks)`` (``transpose``: ``matrix @ blockdiag(blocks)^T``) for
+    ``matrix`` of shape ``[k, dim]``."""
+    return _join([tf.matmul(part, block, transpose_b=transpose) for part, block in
                   zip(_split(matrix, layout, 1), _unstack(blocks, layout))], axis=1)
 
 
@@ -172,11 +176,12 @@ def _robust_inverse_group(factors, use):
 
 def robust_eigenvectors(statistics, layout, previous, use=True):
     """The eigenvectors (columns, eigenvalues descending) of each block of ``statistics``
-    (``[count, size, size]``, zero on padded positions), with a zero column in place of each
-    eigenvector whose eigenvalue is at the rounding level of the block's largest
-    (``size * eps * max``, the numerical rank's tolerance); a block that is not finite, or
-    whose eigenvectors are not, keeps its ``previous`` ones. Not ``use`` (a scalar bool), as
-    in :func:`robust_inverses`: all keep ``previous`` and nothing is counted.
+    (``[blocks, size, size]``: one or more factors of ``layout`` stacked, zero on padded
+    positions), with a zero column in place of each eigenvector whose eigenvalue is at the
+    rounding level of the block's largest (``size * eps * max``, the numerical rank's
+    tolerance); a block that is not finite, or whose eigenvectors are not, keeps its
+    ``previous`` ones. Blocks not in ``use`` (a bool, scalar or per block), as in
+    :func:`robust_inverses`: keep ``previous`` and are not counted.
 
     A gradient has no component along such a direction (its inputs or output gradients never
     vary there: dead units, pixels that are always zero, a softmax's sum); its rotated entry
@@ -188,8 +193,10 @@ def robust_eigenvectors(statistics, layout, previous, use=True):
         previous value.
     """
     finite = tf.reduce_all(tf.math.is_finite(statistics), axis=[-2, -1])
-    matrices = tf.where(finite[:, None, None], layout.with_padding_diagonal(statistics, -1.0),
-                        tf.eye(layout.size, batch_shape=[layout.count], dtype=statistics.dtype))
+    # A block that is not finite is decomposed as zeros (any finite matrix would do) and
+    # then keeps its previous eigenvectors.
+    matrices = tf.math.multiply_no_nan(layout.with_padding_diagonal(statistics, -1.0),
+                                       tf.cast(finite, statistics.dtype)[:, None, None])
     values, vectors = tf.linalg.eigh(matrices)
     rounding = (layout.size * np.finfo(statistics.dtype.as_numpy_dtype).eps
                 * tf.reduce_max(values, axis=-1, keepdims=True))

@@ -61,12 +61,16 @@ class Preconditioning:
     and output side: the factors' inverses, or the rotations into and out of their
     eigenbases (``preconditioner="eigenbasis"``). ``a_inverse`` (``g_inverse``) is None where
     the input (output) side is left alone (``precondition_inputs=False``, a diagonal ``A`` in
-    an eigenbasis, or a side wider than ``max_rotated_dim``).
+    an eigenbasis, or a side wider than ``max_rotated_dim``). ``transpose_a`` (``transpose_g``)
+    multiplies by the transpose of ``a_inverse`` (``g_inverse``) instead: the matrix product
+    reads it transposed, with no transposed copy.
     ``root_damping`` is ``sqrt(lambda)``, what THOR's rules add (the LayerNorm rule's);
     ``batch`` the step's global batch size."""
 
     a_inverse: object = None
     g_inverse: object = None
+    transpose_a: bool = False
+    transpose_g: bool = False
     batch: object = None
     root_damping: object = None
 
@@ -260,10 +264,12 @@ class KroneckerBlock(CurvatureBlock):
     def precondition(self, gradient, state, block_size):
         matrix = self.kernel_matrix(gradient)
         if state.a_inverse is not None:
-            matrix = self.left_precondition(matrix, state.a_inverse, block_size)
+            matrix = self.left_precondition(matrix, state.a_inverse, block_size,
+                                            state.transpose_a)
         if state.g_inverse is not None:
-            matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size))
+            matrix = right_multiply(matrix, state.g_inverse, self.g_layout(block_size),
+                                    state.transpose_g)
         return self.kernel_from_matrix(matrix, gradient)
 
-    def left_precondition(self, matrix, a_inverse, block_size):
-        return left_multiply(a_inverse, self.a_layout(block_size), matrix)
+    def left_precondition(self, matrix, a_inverse, block_size, transpose=False):
+        return left_multiply(a_inverse, self.a_layout(block_size), matrix, transpose)

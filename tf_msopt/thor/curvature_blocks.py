@@ -283,8 +283,8 @@ class DepthwiseConvBlock(KroneckerBlock):
         per_channel = tf.transpose(
             tf.reshape(gradient, [self.a_dim, self.channels, self.g_dim]), [1, 0, 2])
         if state.a_inverse is not None:
-            per_channel = tf.matmul(state.a_inverse, per_channel)
-        per_channel = tf.matmul(per_channel, state.g_inverse)
+            per_channel = tf.matmul(state.a_inverse, per_channel, transpose_a=state.transpose_a)
+        per_channel = tf.matmul(per_channel, state.g_inverse, transpose_b=state.transpose_g)
         return tf.reshape(tf.transpose(per_channel, [1, 0, 2]), tf.shape(gradient))
 
 
@@ -322,8 +322,8 @@ class EmbeddingBlock(KroneckerBlock):
     def padded_a(self, a, block_size):
         return a     # the diagonal: inverted elementwise
 
-    def left_precondition(self, matrix, a_inverse, block_size):
-        return a_inverse[:, tf.newaxis] * matrix
+    def left_precondition(self, matrix, a_inverse, block_size, transpose=False):
+        return a_inverse[:, tf.newaxis] * matrix    # a diagonal: its own transpose
 
 
 @register

@@ -191,8 +191,8 @@ class CurvatureEstimator:
 
     def _update_bucket_averages(self, device_variable, bucket, statistics, g_scale):
         """The moving averages of one bucket's layers on one device."""
-        for layer, a, g, observed in self._normalized(bucket, statistics, g_scale):
-            self._update_averages(layer, a, g, observed)
+        for index, (a, g, rows) in zip(bucket, statistics):
+            self._update_averages(self.layers[index], a, g, rows, g_scale)
         return tf.constant(True)
 
     # --- the refresh divided among replicas
@@ -287,15 +287,20 @@ class CurvatureEstimator:
         self._assign_add(self.failed_inverses, kept)
         return tf.constant(True)
 
-    def _update_averages(self, layer, a, g, observed):
-        """Updates one layer's moving averages of A and G and its count of updates."""
+    def _update_averages(self, layer, a, g, rows, g_scale):
+        """Updates one layer's moving averages of A and G from their sums over ``rows``
+        (``G`` scaled by ``g_scale``), and its count of updates."""
         beta = self.options.statistics_decay
-        # A step whose statistics are not finite leaves the averages alone.
-        update = observed & tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(
-            tf.math.is_finite(g))
-        for average, value in ((layer.a_average, a), (layer.g_average, g)):
-            self._assign(average,
-                         tf.where(update, beta * average + (1.0 - beta) * value, average))
+        # A step without rows, or whose statistics are not finite (then neither is their
+        # sum), leaves the averages alone: weight 1 on the average and 0 on the statistics,
+        # which multiply_no_nan keeps 0 even where they are NaN. The division by the rows
+        # rides on that weight: each pass over a wide factor costs as much as its product.
+        update = (rows > 0) & tf.math.is_finite(tf.reduce_sum(a) + tf.reduce_sum(g))
+        keep = tf.where(update, beta, 1.0)
+        weight = tf.where(update, (1.0 - beta) / tf.maximum(rows, 1.0), 0.0)
+        for moving, value, scale in ((layer.a_average, a, weight),
+                                     (layer.g_average, g, weight * g_scale)):
+            self._assign(moving, keep * moving + tf.math.multiply_no_nan(value, scale))
         self._assign_add(layer.count, update)
 
     def _corrected_averages(self, layer):

@@ -32,10 +32,6 @@ def _identity_blocks(shape, dtype=None):
     return tf.eye(shape[-1], batch_shape=[shape[0]], dtype=dtype)
 
 
-def _transposed(blocks):
-    return None if blocks is None else tf.linalg.matrix_transpose(blocks)
-
-
 class InversePreconditioner:
     """MindSpore's: ``A_inv g G_inv`` with the inverses of the damped factors (``a_inverse``,
     ``g_inverse``; without ``precondition_inputs``, ``g G_inv`` and ``a_inverse`` stays the
@@ -179,9 +175,11 @@ class EigenbasisPreconditioner:
 
     def refresh(self, refreshes, assign):
         """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),
-        assigned where ``use`` holds. Returns None (no block is retried) and the count of
-        blocks kept."""
-        kept = []
+        assigned where ``use`` holds (and, with a tolerance, where the previous basis no
+        longer holds). Factors of one layout are decomposed together, in one call under one
+        conditional, where any of them needs it: a refresh builds one per layout, not one
+        per factor. Returns None (no block is retried) and the count of blocks kept."""
+        groups = {}
         for layer, a, g, used, _ in refreshes:
             block, sides = layer.block, []
             if layer.g_eigenvectors is not None:
@@ -189,19 +187,28 @@ class EigenbasisPreconditioner:
             if layer.a_eigenvectors is not None:
                 sides.append((layer.a_eigenvectors, a, block.a_layout(self.block_size)))
             for variable, statistics, layout in sides:
-                previous = tf.convert_to_tensor(variable)
-                decompose = used
-                if self.tolerance is not None:
-                    # A basis that still diagonalises its factor is kept: its decomposition
-                    # is the refresh's cost, and a factor that barely moved would return it.
-                    decompose = used & (self._filling(layer) | tf.reduce_any(
-                        basis_drift(statistics, previous) > self.tolerance))
-                vectors, failed = tf.cond(
-                    decompose,
-                    lambda s=statistics, l=layout, p=previous: robust_eigenvectors(s, l, p),
-                    lambda p=previous: (p, tf.constant(0, tf.int64)))
-                assign(variable, vectors)
-                kept.append(failed)
+                groups.setdefault(layout, []).append((variable, statistics, used,
+                                                      self._filling(layer)))
+        kept = []
+        for layout, members in groups.items():
+            variables, statistics, used, filling = zip(*members)
+            statistics = tf.concat(statistics, 0)
+            previous = tf.concat([tf.convert_to_tensor(v) for v in variables], 0)
+            decompose = tf.stack(used)
+            if self.tolerance is not None:
+                # A basis that still diagonalises its factor is kept: its decomposition is
+                # the refresh's cost, and a factor that barely moved would return it.
+                drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
+                decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
+            use = tf.repeat(decompose, layout.count)     # per block
+            vectors, failed = tf.cond(
+                tf.reduce_any(use),
+                lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
+                    s, l, p, u),
+                lambda p=previous: (p, tf.constant(0, tf.int64)))
+            for variable, part in zip(variables, tf.split(vectors, len(variables))):
+                assign(variable, part)
+            kept.append(failed)
         return None, tf.add_n(kept)
 
     def _filling(self, layer):
@@ -216,11 +223,11 @@ class EigenbasisPreconditioner:
         a, g = (None if vectors is None else tf.convert_to_tensor(vectors)
                 for vectors in (layer.a_eigenvectors, layer.g_eigenvectors))
         rotated = layer.block.precondition(gradient, Preconditioning(
-            a_inverse=_transposed(a), g_inverse=g), self.block_size)
+            a_inverse=a, g_inverse=g, transpose_a=True), self.block_size)
         scaled = self._scaled(layer.rotated_second_moment, rotated, step, assign,
                               self.exponent_of(layer.block.kind))
         return layer.block.precondition(scaled, Preconditioning(
-            a_inverse=a, g_inverse=_transposed(g)), self.block_size)
+            a_inverse=a, g_inverse=g, transpose_g=True), self.block_size)
 
     @staticmethod
     def _scaled(moment, rotated, step, assign, exponent):

@@ -365,6 +365,18 @@ def test_options_match_numpy_reference(case):
             np.testing.assert_array_equal(value, identity, err_msg=a_inverse.path)
 
 
+def test_eigenbasis_decompositions_under_a_conditional(monkeypatch):
+    """Layouts wider than ``UNCONDITIONAL_SIZE`` (here: all) are decomposed under a
+    conditional, taken where any factor of the layout needs it: the same updates as the
+    NumPy reference, bases kept and replaced."""
+    from tf_msopt.thor import preconditioners
+    monkeypatch.setattr(preconditioners, "UNCONDITIONAL_SIZE", 0)
+    optimizer, reference = train_against_reference(*OPTION_CASES["eigenbasis_tolerance"],
+                                                   check=check_option_state)
+    check_eigenbasis_state(optimizer, reference)
+    assert {keep for keep, _, _ in reference.basis_decisions} == {True, False}
+
+
 def test_inverse_backends_agree(monkeypatch):
     """The op library's inverse (when loaded) and the pure-TF path give the same training."""
     def train():

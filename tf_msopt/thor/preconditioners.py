@@ -24,6 +24,10 @@ EIGENBASIS_DAMPING = 1e-2
 #: With ``eigenbasis_tolerance`` and moving averages, bases are kept only after this many
 #: time constants ``1 / (1 - statistics_decay)`` of statistics updates.
 FILLED = 2
+#: Layouts of blocks at most this wide are decomposed at every refresh without a conditional
+#: (the result still replaces only the bases that need it): such a decomposition costs less
+#: than a conditional costs to trace and optimise.
+UNCONDITIONAL_SIZE = 64
 
 
 def _identity_blocks(shape, dtype=None):
@@ -177,8 +181,9 @@ class EigenbasisPreconditioner:
         """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),
         assigned where ``use`` holds (and, with a tolerance, where the previous basis no
         longer holds). Factors of one layout are decomposed together, in one call under one
-        conditional, where any of them needs it: a refresh builds one per layout, not one
-        per factor. Returns None (no block is retried) and the count of blocks kept."""
+        conditional, where any of them needs it (blocks of at most ``UNCONDITIONAL_SIZE``:
+        at every refresh): a refresh builds one conditional per layout, not one per factor.
+        Returns None (no block is retried) and the count of blocks kept."""
         groups = {}
         for layer, a, g, used, _ in refreshes:
             block, sides = layer.block, []
@@ -201,11 +206,14 @@ class EigenbasisPreconditioner:
                 drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
                 decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
             use = tf.repeat(decompose, layout.count)     # per block
-            vectors, failed = tf.cond(
-                tf.reduce_any(use),
-                lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
-                    s, l, p, u),
-                lambda p=previous: (p, tf.constant(0, tf.int64)))
+            if layout.size <= UNCONDITIONAL_SIZE:
+                vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
+            else:
+                vectors, failed = tf.cond(
+                    tf.reduce_any(use),
+                    lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
+                        s, l, p, u),
+                    lambda p=previous: (p, tf.constant(0, tf.int64)))
             for variable, part in zip(variables, tf.split(vectors, len(variables))):
                 assign(variable, part)
             kept.append(failed)

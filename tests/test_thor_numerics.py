@@ -365,12 +365,15 @@ def test_options_match_numpy_reference(case):
             np.testing.assert_array_equal(value, identity, err_msg=a_inverse.path)
 
 
-def test_eigenbasis_decompositions_under_a_conditional(monkeypatch):
+@pytest.mark.parametrize("grouped_size", [128, 0])
+def test_eigenbasis_decompositions_under_a_conditional(monkeypatch, grouped_size):
     """Layouts wider than ``UNCONDITIONAL_SIZE`` (here: all) are decomposed under a
-    conditional, taken where any factor of the layout needs it: the same updates as the
-    NumPy reference, bases kept and replaced."""
+    conditional: one per layout, taken where any of its factors needs it, or (wider than
+    ``GROUPED_SIZE``) one per factor. The same updates as the NumPy reference, bases kept
+    and replaced."""
     from tf_msopt.thor import preconditioners
     monkeypatch.setattr(preconditioners, "UNCONDITIONAL_SIZE", 0)
+    monkeypatch.setattr(preconditioners, "GROUPED_SIZE", grouped_size)
     optimizer, reference = train_against_reference(*OPTION_CASES["eigenbasis_tolerance"],
                                                    check=check_option_state)
     check_eigenbasis_state(optimizer, reference)

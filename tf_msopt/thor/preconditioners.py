@@ -24,9 +24,13 @@ EIGENBASIS_DAMPING = 1e-2
 #: With ``eigenbasis_tolerance`` and moving averages, bases are kept only after this many
 #: time constants ``1 / (1 - statistics_decay)`` of statistics updates.
 FILLED = 2
-#: Layouts of blocks at most this wide are decomposed at every refresh without a conditional
-#: (the result still replaces only the bases that need it): such a decomposition costs less
-#: than a conditional costs to trace and optimise.
+#: Factors of one layout with blocks at most this wide are decomposed together, in one call
+#: under one conditional taken where any of them needs it (each still keeps or replaces its
+#: own basis): fewer conditionals to trace and optimise, for little wasted work. Wider
+#: factors each have their own conditional.
+GROUPED_SIZE = 128
+#: Layouts of blocks at most this wide are decomposed at every refresh, without a
+#: conditional: such a decomposition costs less than the conditional.
 UNCONDITIONAL_SIZE = 64
 
 
@@ -180,10 +184,10 @@ class EigenbasisPreconditioner:
     def refresh(self, refreshes, assign):
         """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),
         assigned where ``use`` holds (and, with a tolerance, where the previous basis no
-        longer holds). Factors of one layout are decomposed together, in one call under one
-        conditional, where any of them needs it (blocks of at most ``UNCONDITIONAL_SIZE``:
-        at every refresh): a refresh builds one conditional per layout, not one per factor.
-        Returns None (no block is retried) and the count of blocks kept."""
+        longer holds): the factors of one layout with blocks of at most ``GROUPED_SIZE``
+        in one call under one conditional (none up to ``UNCONDITIONAL_SIZE``), wider ones
+        each under its own. Returns None (no block is retried) and the count of blocks
+        kept."""
         groups = {}
         for layer, a, g, used, _ in refreshes:
             block, sides = layer.block, []
@@ -192,11 +196,13 @@ class EigenbasisPreconditioner:
             if layer.a_eigenvectors is not None:
                 sides.append((layer.a_eigenvectors, a, block.a_layout(self.block_size)))
             for variable, statistics, layout in sides:
-                groups.setdefault(layout, []).append((variable, statistics, used,
-                                                      self._filling(layer)))
+                key = layout if layout.size <= GROUPED_SIZE else (layout, id(variable))
+                groups.setdefault(key, []).append((layout, variable, statistics, used,
+                                                   self._filling(layer)))
         kept = []
-        for layout, members in groups.items():
-            variables, statistics, used, filling = zip(*members)
+        for members in groups.values():
+            layouts, variables, statistics, used, filling = zip(*members)
+            layout = layouts[0]
             statistics = tf.concat(statistics, 0)
             previous = tf.concat([tf.convert_to_tensor(v) for v in variables], 0)
             decompose = tf.stack(used)

@@ -190,7 +190,7 @@ class EigenbasisPreconditioner:
         kept."""
         groups = {}
         for layer, a, g, used, _ in refreshes:
-            block, sides = layer.block, []
+            block, sides, filling = layer.block, [], self._filling(layer)
             if layer.g_eigenvectors is not None:
                 sides.append((layer.g_eigenvectors, g, block.g_layout(self.block_size)))
             if layer.a_eigenvectors is not None:
@@ -198,7 +198,7 @@ class EigenbasisPreconditioner:
             for variable, statistics, layout in sides:
                 key = layout if layout.size <= GROUPED_SIZE else (layout, id(variable))
                 groups.setdefault(key, []).append((layout, variable, statistics, used,
-                                                   self._filling(layer)))
+                                                   filling))
         kept = []
         for members in groups.values():
             layouts, variables, statistics, used, filling = zip(*members)

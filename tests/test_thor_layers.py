@@ -71,9 +71,11 @@ def test_wrappers_and_nested_models_are_walked_into():
     for name in ("per_step", "nested_dense", "head"):
         layer = next(l for l in model._flatten_layers() if l.name == name)
         assert layer.kernel.path in preconditioned
-    lstm_reasons = {path: why for path, why in report.first_order.items() if "lstm" in path}
-    assert lstm_reasons and all("no THOR rule for LSTMCell" in why
-                                for why in lstm_reasons.values())
+    for direction in ("forward", "backward"):    # Bidirectional's copies of the LSTM
+        layer = model.layers[3].forward_layer if direction == "forward" else (
+            model.layers[3].backward_layer)
+        assert {layer.cell.kernel.path, layer.cell.recurrent_kernel.path} <= preconditioned
+        assert "LSTM kernel only" in report.first_order[layer.cell.bias.path]
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(24, 3, 5)).astype("float32"), rng.integers(0, 2, size=24)
     before = [b.a.numpy().copy() for b in optimizer._connection.statistics]

@@ -18,7 +18,7 @@ from helpers import curvature_variables
 from test_thor_training import assert_weights_close, mixed_model
 
 import tf_msopt as mso
-from tf_msopt.thor.curvature_blocks import block_for
+from tf_msopt.thor.curvature_blocks import blocks_for
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 
@@ -518,7 +518,7 @@ def test_projections_over_positions(make_layer, input_shape, projects):
     position of an example, read off the input the layer was built for."""
     layer = make_layer()
     layer.build(input_shape)
-    block, _ = block_for(layer)
+    (block,), _, _ = blocks_for(layer)
     assert block.projects_positions(layer) is projects
 
 

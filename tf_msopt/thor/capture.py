@@ -38,7 +38,7 @@ class LayerStatistics:
 
         def buffer(shape, name):
             return keras.Variable(initializer="zeros", shape=shape, dtype="float32",
-                                  trainable=False, autocast=False, name=f"{block.layer}_{name}")
+                                  trainable=False, autocast=False, name=f"{block.name}_{name}")
 
         # A factor no step reads has shape (0,): its statistics are not computed.
         a_shape, g_shape = shapes or block.factor_shapes(block_size)
@@ -118,10 +118,12 @@ def _observe(output, record):
 
 
 class _Capture:
-    """The patched ``call`` of one layer."""
+    """The patched ``call`` of one layer: its first block runs the call and observes the
+    output whose gradient every block of the layer reads."""
 
-    def __init__(self, layer, block, original, statistics, batch, is_statistics_step, sampled):
-        self.layer, self.block, self.original = layer, block, original
+    def __init__(self, layer, blocks, original, statistics, batch, is_statistics_step,
+                 sampled):
+        self.layer, self.blocks, self.original = layer, blocks, original
         self.statistics, self.batch = statistics, batch
         self.is_statistics_step, self.sampled = is_statistics_step, sampled
 
@@ -129,23 +131,26 @@ class _Capture:
         if not compat.gradient_may_be_recorded():
             # No gradient can be taken (predict, evaluate, serving functions): nothing to
             # record, and inference graphs stay free of THOR's state.
-            def observe(outputs):
-                return outputs
-        elif self.statistics is None:       # no factors: only the global batch is needed
-            def observe(outputs):
+            return self.original(inputs, *args, **kwargs)
+        if self.statistics is None:       # no factors: only the global batch is needed
+            def observe(outputs, pieces=None):
                 return _observe(outputs, lambda d: assign(self.batch, global_batch(d)))
-        elif self.sampled is not None:
-            def observe(outputs):
-                return self.sampled.observe(self.layer, self.statistics, inputs, outputs)
         else:
-            def observe(outputs):
-                return _observe(outputs, lambda d: self._record(inputs, d))
-        return self.block.capture(self.layer, self.original, observe, inputs, *args, **kwargs)
+            def observe(outputs, pieces=None):
+                """``pieces(d)``: each block's ``(inputs, delta)`` from the gradient ``d`` of
+                ``outputs``; by default the call's inputs and ``d``."""
+                pieces = pieces or (lambda d: [(inputs, d)])
+                if self.sampled is not None:
+                    return self.sampled.observe(self.layer, self.statistics, pieces, outputs)
+                return _observe(outputs, lambda d: self._record(pieces(d)))
+        return self.blocks[0].capture(self.layer, self.original, observe, inputs, *args,
+                                      **kwargs)
 
-    def _record(self, inputs, d_outputs):
+    def _record(self, pieces):
         def write():
-            delta = tf.cast(d_outputs, tf.float32) * global_batch(d_outputs)
-            return self.statistics.write(*self.statistics.measure(self.layer, inputs, delta))
+            return tf.reduce_all([statistics.write(*statistics.measure(
+                self.layer, inputs, tf.cast(delta, tf.float32) * global_batch(delta)))
+                for statistics, (inputs, delta) in zip(self.statistics, pieces)])
 
         return when(self.is_statistics_step(), write)
 
@@ -159,11 +164,12 @@ def _patch(target, name, make):
     object.__setattr__(target, name, make(original))
 
 
-def install(layer, block, statistics, batch, is_statistics_step, sampled=None):
-    """Patches ``layer.call`` to capture ``block``'s statistics (replacing an earlier patch);
+def install(layer, blocks, statistics, batch, is_statistics_step, sampled=None):
+    """Patches ``layer.call`` to capture the statistics of its ``blocks`` into their
+    ``statistics`` buffers (None for blocks without factors), replacing an earlier patch;
     with ``sampled`` (a :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer
     hands its statistics' inputs to it instead of recording them itself."""
-    _patch(layer, "call", lambda original: _Capture(layer, block, original, statistics, batch,
+    _patch(layer, "call", lambda original: _Capture(layer, blocks, original, statistics, batch,
                                                     is_statistics_step, sampled))
 
 

@@ -67,10 +67,15 @@ class ModelConnection:
                                         autocast=False, name="global_batch")
         sampled = (None if sampled_seed is None else SampledFisher(
             sampled_seed, step, self.output_distribution, is_statistics_step))
-        buffers = iter(self.statistics)
-        for block, layer in zip(blocks, layers):
-            install(layer, block, next(buffers) if block.has_factors else None, self.batch,
-                    is_statistics_step, sampled)
+        buffers, patches = iter(self.statistics), {}
+        for block, layer in zip(blocks, layers):     # a layer may have several blocks
+            _, layer_blocks, layer_buffers = patches.setdefault(id(layer), (layer, [], []))
+            layer_blocks.append(block)
+            if block.has_factors:
+                layer_buffers.append(next(buffers))
+        for layer, layer_blocks, layer_buffers in patches.values():
+            install(layer, layer_blocks, layer_buffers or None, self.batch, is_statistics_step,
+                    sampled)
         install_model(model, sampled)
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again
@@ -95,7 +100,7 @@ class ModelConnection:
     def position_projections(self, blocks):
         """The names of the layers that apply their kernel at each position of a sequence
         (:meth:`~tf_msopt.thor.curvature_base.CurvatureBlock.projects_positions`)."""
-        return {block.layer for block, layer in zip(blocks, self.layers)
+        return {block.name for block, layer in zip(blocks, self.layers)
                 if block.projects_positions(layer)}
 
     def output_distribution(self):

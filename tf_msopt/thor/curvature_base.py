@@ -21,7 +21,7 @@ from tf_msopt.thor.block_diagonal import (BlockLayout, covariance_blocks, left_m
                                           right_multiply, robust_inverses)
 
 __all__ = ["CurvatureBlock", "KroneckerBlock", "Preconditioning", "REGISTRY", "as_rows",
-           "block_for", "from_config", "register"]
+           "blocks_for", "from_config", "register"]
 
 REGISTRY = {}
 
@@ -32,15 +32,18 @@ def register(cls):
     return cls
 
 
-def block_for(layer):
-    """``(block, None)`` for a layer THOR treats, or ``(None, reason)``."""
+def blocks_for(layer):
+    """``(blocks, reason, owner)``: the blocks of a layer THOR treats (reason None), or no
+    blocks and why; ``owner`` is the layer that holds the variables they treat (a recurrent
+    layer's cell)."""
     for cls in REGISTRY.values():
         base = next((t for t in cls.layer_types if isinstance(layer, t)), None)
         if base is None:
             continue
         reason = cls.refusal(layer, base)
-        return (None, reason) if reason else (cls.from_layer(layer), None)
-    return None, f"no THOR rule for {type(layer).__name__} layers"
+        blocks = () if reason else cls.blocks_of(layer)
+        return blocks, reason, cls.variable_owner(layer)
+    return (), f"no THOR rule for {type(layer).__name__} layers", layer
 
 
 def from_config(config):
@@ -107,8 +110,25 @@ class CurvatureBlock:
     def from_layer(cls, layer):
         raise NotImplementedError
 
+    @classmethod
+    def blocks_of(cls, layer):
+        """The layer's blocks: one, or one per kernel where a layer has several."""
+        return (cls.from_layer(layer),)
+
+    @classmethod
+    def variable_owner(cls, layer):
+        """The layer whose own variables the blocks of ``layer`` treat."""
+        return layer
+
+    @property
+    def name(self):
+        """The block's name among the optimizer's state: its layer's, unless the layer has
+        several blocks."""
+        return self.layer
+
     def treated_variables(self, layer):
-        return [v for v in compat.own_trainable_variables(layer) if v.name in self.variables]
+        return [v for v in compat.own_trainable_variables(self.variable_owner(layer))
+                if v.name in self.variables]
 
     def get_config(self):
         config = dataclasses.asdict(self)

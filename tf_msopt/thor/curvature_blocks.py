@@ -1,7 +1,8 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
 Dense, EinsumDense, Conv1D/Conv2D, DepthwiseConv2D, Embedding and
-LayerNormalization layers; the base classes and the registry are in
+LayerNormalization layers here, SimpleRNN/GRU/LSTM in
+:mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
 :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind is one
 new class decorated with :func:`register`.
 """
@@ -17,12 +18,14 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.block_diagonal import BlockLayout, covariance_blocks
 from tf_msopt.thor.curvature_base import (REGISTRY, CurvatureBlock, KroneckerBlock,
-                                          Preconditioning, as_rows, block_for, from_config,
+                                          Preconditioning, as_rows, blocks_for, from_config,
                                           register)
+from tf_msopt.thor.recurrent_blocks import RecurrentBlock
 
 __all__ = ["ConvBlock", "CurvatureBlock", "DenseBlock", "DepthwiseConvBlock", "EinsumDenseBlock",
            "EmbeddingBlock", "KroneckerBlock", "LayerNormBlock", "Preconditioning", "REGISTRY",
-           "block_for", "conv_patches", "from_config", "register"]
+           "RecurrentBlock",
+           "blocks_for", "conv_patches", "from_config", "register"]
 
 
 def _kernel_block(cls, layer, kernel):
@@ -185,7 +188,8 @@ def conv_patches(layer, inputs):
                                            rates=[1] + dilation + [1],
                                            padding=padding.upper())
         return tf.reshape(patches, [-1, patches.shape[-1]])
-    axes = [_patch_axis(*args, padding) for args in zip(spatial, kernel_size, strides, dilation)]
+    axes = [_patch_axis(size, k, s, d, padding)
+            for size, k, s, d in zip(spatial, kernel_size, strides, dilation)]
     if any(before or after for _, before, after in axes):
         x = tf.pad(x, [[0, 0]] + [[before, after] for _, before, after in axes] + [[0, 0]])
     (rows, _, _), (columns, _, _) = axes

@@ -110,7 +110,7 @@ class CurvatureEstimator:
         """Creates each layer's state with ``add_variable(shape, initializer, name, dtype)``
         (the optimizer's), in the order checkpoints hold it."""
         for block in self.blocks:
-            layer, name = LayerCurvature(block), block.layer
+            layer, name = LayerCurvature(block), block.name
             self.preconditioner.build(layer, add_variable)
             if self.options.statistics_decay is not None:
                 a_shape, g_shape = self.preconditioner.statistics_shapes(block)
@@ -132,7 +132,7 @@ class CurvatureEstimator:
 
     def trace_decisions(self):
         """``{layer name: (refreshed, reused, frozen)}`` with the trace rule."""
-        return {layer.block.layer: tuple(int(n) for n in layer.trace_decisions.numpy())
+        return {layer.block.name: tuple(int(n) for n in layer.trace_decisions.numpy())
                 for layer in self.layers if layer.trace_decisions is not None}
 
     def step(self, layer, gradient, step):
@@ -215,7 +215,7 @@ class CurvatureEstimator:
 
         costs = [sum(cost(tuple(variable.shape)) for variable in
                      self.preconditioner.refreshed_state(layer)) for layer in self.layers]
-        return {layer.block.layer: owner for layer, owner in zip(
+        return {layer.block.name: owner for layer, owner in zip(
             self.layers, balanced_owners(costs, replicas))}
 
     def _divided_update(self, distribution, first, bucket, summed, root_damping, g_scale):
@@ -247,7 +247,7 @@ class CurvatureEstimator:
     def _owned(self, replica, replicas, bucket):
         """The layers of ``bucket`` that ``replica`` (of ``replicas``) refreshes."""
         owners = self.refresh_owners(replicas)
-        return [index for index in bucket if owners[self.layers[index].block.layer] == replica]
+        return [index for index in bucket if owners[self.layers[index].block.name] == replica]
 
     def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
         """This replica's share of one bucket's refresh, flat: the refreshed state of the

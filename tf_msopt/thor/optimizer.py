@@ -166,7 +166,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         :class:`~tf_msopt.thor.curvature_estimator.LayerCurvature` of optimizer variables.
         Empty before ``build``."""
         layers = self._estimator.layers if self._estimator is not None else ()
-        return {layer.block.layer: layer for layer in layers}
+        return {layer.block.name: layer for layer in layers}
 
     def refresh_owners(self, replicas):
         """``{layer name: replica}``: which of ``replicas`` refreshes each factored layer
@@ -232,7 +232,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         factored = block is not None and block.has_factors
         if factored:
             precondition = functools.partial(self._estimator.step,
-                                             self.curvature[block.layer], step=self.iterations)
+                                             self.curvature[block.name], step=self.iterations)
         elif block is not None and self._graft is None:   # Adam's step replaces the rule
             precondition = functools.partial(self._layer_rule, block)
         else:
@@ -243,7 +243,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
             decays=(self.weight_decay > 0 and bool(self._decay_filter(variable))
                     and not self.excluded_from_weight_decay(variable)),
             cautious=(options.cautious is True or options.cautious == "sequence" and factored
-                      and block.layer in projections),
+                      and block.name in projections),
             assign=self.assign, assign_sub=self.assign_sub)
 
     def _layer_rule(self, block, gradient):

@@ -64,7 +64,7 @@ class InversePreconditioner:
     def build(self, layer, add_variable):
         """Creates ``layer``'s inverses with ``add_variable(shape, initializer, name)``."""
         a_shape, g_shape = layer.block.factor_shapes(self.block_size)
-        name = layer.block.layer
+        name = layer.block.name
         layer.a_inverse = add_variable(a_shape, _identity_blocks, f"{name}_a_inverse")
         layer.g_inverse = add_variable(g_shape, _identity_blocks, f"{name}_g_inverse")
 
@@ -164,7 +164,7 @@ class EigenbasisPreconditioner:
         return ADAM_EXPONENT if self.exponent is None else self.exponent
 
     def build(self, layer, add_variable):
-        block, name = layer.block, layer.block.layer
+        block, name = layer.block, layer.block.name
         a_shape, g_shape = block.factor_shapes(self.block_size)
         rotate_a, rotate_g = self.rotated_sides(block)
         if rotate_g:

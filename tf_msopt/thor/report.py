@@ -9,7 +9,7 @@ each trainable variable a rule: a curvature block
 import dataclasses
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt.thor.curvature_blocks import block_for
+from tf_msopt.thor.curvature_blocks import blocks_for
 
 __all__ = ["ReportRow", "ThorReport", "planned_rows", "survey"]
 
@@ -38,22 +38,26 @@ def survey(model, block_size):
             "For 'thor', the model must be built (give it an Input, or call it once on a batch) "
             "so that its layers' shapes are known."
         )
-    blocks, layers, rows = [], [], []
+    blocks, layers, rows, surveyed = [], [], [], set()
     for layer in compat.flatten_layers(model):
-        variables = compat.own_trainable_variables(layer)
+        if id(layer) in surveyed:     # a recurrent layer's cell, surveyed with its layer
+            continue
+        found, reason, owner = blocks_for(layer)
+        surveyed.add(id(owner))
+        variables = compat.own_trainable_variables(owner)
         if not variables:
             continue
-        block, reason = block_for(layer)
         layer_type = type(layer).__name__
-        treated = set()
-        if block is not None:
+        rules = {}
+        for block in found:
             blocks.append(block)
             layers.append(layer)
-            treated = {id(v) for v in block.treated_variables(layer)}
-            detail = block.describe(block_size)
+            rules.update({id(v): block.describe(block_size)
+                          for v in block.treated_variables(layer)})
         for variable in variables:
-            if id(variable) in treated:
-                rows.append(ReportRow(layer.name, layer_type, variable.path, detail, ""))
+            if id(variable) in rules:
+                rows.append(ReportRow(layer.name, layer_type, variable.path, rules[id(variable)],
+                                      ""))
             else:
                 why = reason or f"THOR preconditions the {layer_type} kernel only"
                 rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))

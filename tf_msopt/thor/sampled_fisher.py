@@ -153,16 +153,18 @@ class SampledFisher:
         self.seed, self.step = seed, step
         self.output_distribution, self.is_statistics_step = (output_distribution,
                                                              is_statistics_step)
-        self._watched = None    # [(layer, statistics, inputs, output)] in a training call
+        self._watched = None    # [(layer, statistics, pieces, output)] in a training call
         self._tape = None
 
-    def observe(self, layer, statistics, inputs, outputs):
-        """In a training call: watch a treated layer's pre-activation output."""
+    def observe(self, layer, statistics, pieces, outputs):
+        """In a training call: watch a treated layer's pre-activation output;
+        ``pieces(d)`` gives each of its ``statistics`` buffers ``(inputs, delta)`` from the
+        output's gradient ``d``."""
         if self._watched is None:
             return outputs
         outputs = tf.identity(outputs)
         self._tape.watch(outputs)
-        self._watched.append((layer, statistics, inputs, outputs))
+        self._watched.append((layer, statistics, pieces, outputs))
         return outputs
 
     def wrap(self, call):
@@ -199,15 +201,18 @@ class SampledFisher:
         loss = distribution.sampled_loss(outputs, key, offset) / batch
         gradients = tape.gradient(loss, [entry[-1] for entry in watched])
         writes = []
-        for (layer, statistics, inputs, _), gradient in zip(watched, gradients):
+        for (layer, buffers, pieces, _), gradient in zip(watched, gradients):
             if gradient is None:     # the output does not depend on this call
                 continue
-            # float32 whatever the layers compute in (mixed precision: float16).
-            a, g, rows = statistics.measure(layer, inputs,
-                                            tf.cast(gradient, tf.float32) * batch)
-            # Non-finite outputs: this call's statistics count as unobserved.
-            finite = tf.reduce_all(tf.math.is_finite(a)) & tf.reduce_all(tf.math.is_finite(g))
-            writes.append(statistics.write(tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),
-                                           tf.where(finite, rows, 0.0)))
+            for statistics, (inputs, delta) in zip(buffers, pieces(gradient)):
+                # float32 whatever the layers compute in (mixed precision: float16).
+                a, g, rows = statistics.measure(layer, inputs,
+                                                tf.cast(delta, tf.float32) * batch)
+                # Non-finite outputs: this call's statistics count as unobserved.
+                finite = (tf.reduce_all(tf.math.is_finite(a))
+                          & tf.reduce_all(tf.math.is_finite(g)))
+                writes.append(statistics.write(tf.where(finite, a, 0.0),
+                                               tf.where(finite, g, 0.0),
+                                               tf.where(finite, rows, 0.0)))
         with tf.control_dependencies(writes):
             return tf.constant(True)

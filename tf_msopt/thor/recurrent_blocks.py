@@ -1,0 +1,186 @@
+"""Curvature blocks of recurrent layers: ``SimpleRNN``, ``GRU`` and ``LSTM`` (RNN K-FAC).
+
+Each kernel of a recurrent layer is a Dense layer applied at every time step, with the
+independence across time steps of Martens, Ba & Johnson (Kronecker-factored Curvature
+Approximations for Recurrent Neural Networks, ICLR 2018): rows are the examples' time steps,
+and both kernels get a Kronecker pair of their own,
+
+    input kernel W:      A = E[x_t x_t^T],          G = E[delta_t delta_t^T]
+    recurrent kernel U:  A = E[h_{t-1} h_{t-1}^T],  G = E[delta_t delta_t^T]
+
+where ``delta_t`` is the gradient of step t's gate pre-activations ``x_t W + h_{t-1} U + b``.
+In a GRU (``reset_after=True``) the candidate's recurrent term is ``r * (h_{t-1} U_h + b)``,
+so ``U``'s ``delta`` is ``r * delta`` in the candidate's columns.
+
+To observe ``delta``, the capture runs the layer's recurrence itself (Keras' arithmetic
+without cuDNN): the input projection ``x W + b`` of every time step at once, which is the
+observed tensor, then each step's recurrent part in a ``tf.scan``.
+"""
+import dataclasses
+from typing import ClassVar
+
+import keras
+import tensorflow as tf
+
+from tf_msopt.thor.curvature_base import KroneckerBlock, register
+
+__all__ = ["RecurrentBlock"]
+
+_CELLS = {keras.layers.SimpleRNN: keras.layers.SimpleRNNCell,
+          keras.layers.GRU: keras.layers.GRUCell,
+          keras.layers.LSTM: keras.layers.LSTMCell}
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class RecurrentBlock(KroneckerBlock):
+    """One kernel of a ``SimpleRNN``, ``GRU`` or ``LSTM`` layer (the layer has two blocks:
+    its ``kernel`` and its ``recurrent_kernel``), statistics over time steps.
+
+    Attributes:
+        cell: the layer kind, ``"SimpleRNN"``, ``"GRU"`` or ``"LSTM"``.
+    """
+
+    cell: str = ""
+
+    kind: ClassVar[str] = "recurrent"
+    layer_types: ClassVar[tuple] = tuple(_CELLS)
+    rule: ClassVar[str] = ("Kronecker factors A (step input) and G (gate gradient) over time "
+                           "steps")
+
+    @classmethod
+    def refusal(cls, layer, base):
+        reason = super().refusal(layer, base)
+        cell = layer.cell
+        if reason is None and type(cell) is not _CELLS[base]:
+            reason = f"custom cell {type(cell).__name__}"
+        elif reason is None and (cell.dropout or cell.recurrent_dropout):
+            reason = ("dropout inside the recurrence (dropout/recurrent_dropout): the "
+                      "statistics would not see the dropped inputs; use a Dropout layer "
+                      "before it")
+        elif reason is None and base is keras.layers.GRU and not cell.reset_after:
+            reason = ("reset_after=False: the candidate's recurrent kernel sees r * h, the "
+                      "gates' h, so it has no one Kronecker factor")
+        return reason
+
+    @classmethod
+    def blocks_of(cls, layer):
+        cell, base = layer.cell, next(t for t in _CELLS if isinstance(layer, t))
+        gates = cell.kernel.shape[-1]
+        return tuple(cls(layer.name, (kernel.name,), kernel.shape[0], gates, base.__name__)
+                     for kernel in (cell.kernel, cell.recurrent_kernel))
+
+    @classmethod
+    def variable_owner(cls, layer):
+        return layer.cell
+
+    @property
+    def name(self):
+        return f"{self.layer}_{self.variables[0]}"
+
+    @property
+    def recurrent(self):
+        """Whether this is the recurrent kernel's block (else the input kernel's)."""
+        return self.variables[0] == "recurrent_kernel"
+
+    def describe(self, block_size):
+        side = "recurrent kernel" if self.recurrent else "input kernel"
+        return f"{side}: {super().describe(block_size)}"
+
+    def capture(self, layer, call, observe, inputs, *args, **kwargs):
+        """Runs ``call`` with the layer's inner loop replaced by :func:`_observed_loop`."""
+        def inner_loop(sequences, initial_state, mask, training=False):
+            return _observed_loop(layer, observe, sequences, initial_state, mask)
+
+        object.__setattr__(layer, "inner_loop", inner_loop)
+        try:
+            return call(inputs, *args, **kwargs)
+        finally:
+            object.__delattr__(layer, "inner_loop")
+
+
+def _observed_loop(layer, observe, sequences, initial_state, mask):
+    """Keras' ``inner_loop`` of ``layer`` (``(last_output, outputs, states)``, outputs in the
+    order the steps run), with the input projection observed: its gradient is ``delta``,
+    which both kernels' statistics read (``observe``'s pieces: the input kernel's rows ``x_t``,
+    the recurrent kernel's ``h_{t-1}``)."""
+    if mask is not None:
+        raise ValueError(
+            f"For 'THOR', the recurrent layer '{layer.name}' got a mask: THOR's recurrent "
+            f"blocks do not capture masked sequences (their padded steps would count as "
+            f"rows). Give it unpadded sequences (e.g. Embedding(mask_zero=False)), or "
+            f"create THOR before adding the mask.")
+    cell = layer.cell
+    states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
+        initial_state]
+    input_bias, recurrent_bias = _biases(cell)
+    projection = keras.ops.matmul(sequences, cell.kernel)
+    if input_bias is not None:
+        projection = projection + input_bias
+    seen = {}
+    projection = observe(projection, lambda d: [(sequences, d),
+                                               (seen["previous"], d * seen["scale"])])
+    steps = tf.transpose(projection, [1, 0, 2])
+    if layer.go_backwards:
+        steps = tf.reverse(steps, [0])
+    kernel = keras.ops.convert_to_tensor(cell.recurrent_kernel)
+    step = _STEPS[type(cell)]
+
+    def scan_step(carry, projected):
+        new_states, scale = step(cell, projected, carry[0], kernel, recurrent_bias)
+        return new_states, carry[0][0], scale
+
+    first = tf.ones_like(steps[0])
+    new_states, previous, scale = tf.scan(scan_step, steps,
+                                          initializer=(tuple(states), states[0], first))
+    outputs = tf.transpose(new_states[0], [1, 0, 2])
+    # The statistics pair each step's rows in the projection's (the sequence's) order.
+    order = (lambda t: tf.reverse(t, [0])) if layer.go_backwards else (lambda t: t)
+    seen["previous"] = tf.stop_gradient(tf.transpose(order(previous), [1, 0, 2]))
+    seen["scale"] = tf.stop_gradient(tf.transpose(order(scale), [1, 0, 2]))
+    return outputs[:, -1], outputs, [s[-1] for s in new_states]
+
+
+def _biases(cell):
+    """``(input bias, recurrent bias)`` of ``cell`` (None where it has none)."""
+    if not cell.use_bias:
+        return None, None
+    if isinstance(cell, keras.layers.GRUCell):      # reset_after: (2, 3 units)
+        return cell.bias[0], cell.bias[1]
+    return cell.bias, None
+
+
+def _simple_rnn_step(cell, projected, states, kernel, recurrent_bias):
+    h = cell.activation(projected + tf.matmul(states[0], kernel))
+    return (h,), tf.ones_like(projected)
+
+
+def _gru_step(cell, projected, states, kernel, recurrent_bias):
+    """Keras' GRU cell (``reset_after=True``) after the input projection; the scale of
+    ``delta`` for the recurrent kernel's rows: 1 for the gates, ``r`` for the candidate."""
+    previous = states[0]
+    inner = tf.matmul(previous, kernel)
+    if recurrent_bias is not None:
+        inner = inner + recurrent_bias
+    x_z, x_r, x_h = tf.split(projected, 3, axis=-1)
+    inner_z, inner_r, inner_h = tf.split(inner, 3, axis=-1)
+    z = cell.recurrent_activation(x_z + inner_z)
+    r = cell.recurrent_activation(x_r + inner_r)
+    candidate = cell.activation(x_h + r * inner_h)
+    h = z * previous + (1 - z) * candidate
+    return (h,), tf.concat([tf.ones_like(z), tf.ones_like(r), r], -1)
+
+
+def _lstm_step(cell, projected, states, kernel, recurrent_bias):
+    previous, carry = states
+    z = projected + tf.matmul(previous, kernel)
+    z_i, z_f, z_c, z_o = tf.split(z, 4, axis=-1)
+    i = cell.recurrent_activation(z_i)
+    f = cell.recurrent_activation(z_f)
+    carry = f * carry + i * cell.activation(z_c)
+    o = cell.recurrent_activation(z_o)
+    return (o * cell.activation(carry), carry), tf.ones_like(projected)
+
+
+_STEPS = {keras.layers.SimpleRNNCell: _simple_rnn_step, keras.layers.GRUCell: _gru_step,
+          keras.layers.LSTMCell: _lstm_step}

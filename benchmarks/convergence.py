@@ -1,6 +1,6 @@
 """Epochs and wall time to a validation target: THOR vs SGD-momentum, Adam, Muon, kfac-jax.
 
-Six tasks (``--task``):
+Eight tasks (``--task``):
 
 * ``mlp``: scikit-learn's digits, the ``tf-msopt compare`` MLP, target 0.97.
 * ``cnn``: digits, the ``tf-msopt compare`` CNN, target 0.98.
@@ -19,13 +19,19 @@ Six tasks (``--task``):
   ``pydoc_data.topics`` (the help topics, about 465k characters; the last 10% validate),
   batches of 32 windows of 64 characters, judged by the validation loss (mean
   cross-entropy per character) falling to 2.0.
+* ``rnn``: the same MNIST digits read row by row, 28 steps of 28 pixels, through a
+  ``GRU(64)`` and a Dense softmax (:func:`make_mnist_gru`), target 0.90.
+* ``autoencoder``: the same MNIST digits through Hinton and Salakhutdinov's deep autoencoder
+  (:func:`make_mnist_autoencoder`), binary cross-entropy, judged by the validation loss.
 
 Five blocks (``--block``), each its own results file:
 
 * ``tuned``: the grids below.
 * ``defaults``: every optimizer at its documented default, no grid: ``tf_msopt.thor(model)``,
   ``keras.optimizers.Adam()``, ``keras.optimizers.Muon()`` (the output layer excluded, as
-  its docs ask), ``keras.optimizers.SGD(momentum=0.9)`` and kfac-jax in its adaptive mode.
+  its docs ask), ``keras.optimizers.SGD(momentum=0.9)`` and kfac-jax in its adaptive mode;
+  and ``Adam-THOR-rate``, Adam at the default THOR's learning rate: what the curvature adds
+  beyond the rate.
 * ``robustness``: the default THOR with its learning rate and damping each scaled by 1/3, 1
   and 3 (nine points), Adam and Muon with their default learning rate scaled alike.
 * ``heldout``: each optimizer's best setting of a tuned block (``--tuned-from``, default the
@@ -57,7 +63,7 @@ importable, the same models are also trained with kfac-jax
 the same way.
 
     python benchmarks/convergence.py [--block tuned|defaults|robustness|heldout|state_dtype]
-                                     [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm]
+                                     [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm,rnn,...]
                                      [--optimizers THOR,Adam] [--seeds 0,1,2] [--max-epochs 25]
                                      [--tuned-from results/convergence_mlp.json]
                                      [--batch-size 64] [--frequency F] [--subset N]
@@ -118,11 +124,19 @@ TASKS = {
     "mnist_mlp": {"data": "mnist", "target": 0.95, "title": "MNIST MLP", "max_epochs": 20},
     "charlm": {"data": "text", "target": 2.0, "metric": "val_loss", "title": "character LM",
                "batch_size": 32, "max_epochs": 10},
+    "rnn": {"data": "mnist_rows", "target": 0.90, "title": "row-by-row MNIST GRU",
+            "max_epochs": 20},
+    # Target: the best validation loss Muon() (the better of Adam() and Muon()) reached in
+    # 15 epochs on seed 0 (its epoch 8; Adam() reached 0.124).
+    "autoencoder": {"data": "mnist_images", "target": 0.096, "metric": "val_loss",
+                    "loss": "binary_crossentropy", "title": "MNIST deep autoencoder",
+                    "max_epochs": 15},
 }
 DEFAULT_TARGETS = {task: spec["target"] for task, spec in TASKS.items()}
 DEFAULT_BATCH_SIZE = 64
 DEFAULT_MAX_EPOCHS = 25
 FIRST_ORDER = ("SGD-momentum", "Adam", "Muon")
+ADAM_AT_THOR_RATE = "Adam-THOR-rate"     # the defaults block's Adam at THOR's learning rate
 BLOCKS = ("tuned", "defaults", "robustness", "heldout", "state_dtype")
 #: The state_dtype block: AdamOffload (its default learning rate) with each way of storing
 #: its moments, every run to --max-epochs (no early stop): validation curves to compare.
@@ -221,7 +235,9 @@ THOR_GRIDS = {
                                ((0.01, 0.02), (0.01,)), ((0.02,), (0.03, 0.1))],
                    "transformer": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
                                    ((0.02,), (0.03, 0.1, 0.3))],
-                   "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
+                   "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                   "rnn": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                   "autoencoder": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }
 # The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
 # from the nearest measured task's (the digits MLP; the MNIST-1D transformer), centred on its
@@ -269,21 +285,28 @@ FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
                      "mnist1d": (0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
                      "transformer": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
                      "mnist_mlp": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
-                     "charlm": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
+                     "charlm": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "rnn": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3),
+                     "autoencoder": (0.01, 0.02, 0.03, 0.05, 0.07, 0.1, 0.15, 0.2, 0.3)},
     "Adam": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "mnist1d": (3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "transformer": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
              "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
-             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
+             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2),
+             "rnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "autoencoder": (2e-4, 3e-4, 5e-4, 7e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3)},
     "Muon": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "mnist1d": (2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2),
              "transformer": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
-             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2)},
+             "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2),
+             "rnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "autoencoder": (2e-4, 3e-4, 5e-4, 7e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3)},
 }
-OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, "kfac-jax", DEFAULT_THOR, *STATE_DTYPE_OPTIMIZERS)
+OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, ADAM_AT_THOR_RATE, "kfac-jax", DEFAULT_THOR,
+              *STATE_DTYPE_OPTIMIZERS)
 
 
 # --- data and models
@@ -353,7 +376,20 @@ def load_charlm(context=CHARLM_CONTEXT):
     return x_train, x_val, y_train, y_val
 
 
-_FIXED_DATA = {"mnist1d": load_mnist1d, "mnist": load_mnist_digits, "text": load_charlm}
+def load_mnist_rows():
+    """:func:`load_mnist_digits` with each image as 28 rows of 28 pixels, (n, 28, 28)."""
+    x_train, x_val, y_train, y_val = load_mnist_digits()
+    return x_train.reshape(-1, 28, 28), x_val.reshape(-1, 28, 28), y_train, y_val
+
+
+def load_mnist_images():
+    """:func:`load_mnist_digits`'s images as both inputs and targets."""
+    x_train, x_val, _, _ = load_mnist_digits()
+    return x_train, x_val, x_train, x_val
+
+
+_FIXED_DATA = {"mnist1d": load_mnist1d, "mnist": load_mnist_digits, "text": load_charlm,
+               "mnist_rows": load_mnist_rows, "mnist_images": load_mnist_images}
 _LOADED = {}
 
 
@@ -445,8 +481,27 @@ def make_char_transformer(input_shape, vocabulary, width=128, blocks=2, heads=4,
     return keras.Model(inputs, keras.layers.Dense(vocabulary, activation="softmax")(x))
 
 
+def make_mnist_gru(input_shape, classes):
+    """28 rows of 28 pixels -> GRU(64) (its last state) -> Dense(10)."""
+    return keras.Sequential([keras.Input(input_shape), keras.layers.GRU(64),
+                             keras.layers.Dense(classes, activation="softmax")])
+
+
+def make_mnist_autoencoder(input_shape, classes=None, widths=(1000, 500, 250), code=30):
+    """784 -> 1000 -> 500 -> 250 -> 30 (the code, linear) -> 250 -> 500 -> 1000 -> 784
+    (sigmoid), tanh between: Hinton & Salakhutdinov's deep autoencoder, as the K-FAC paper
+    trains it."""
+    layers = [keras.Input(input_shape)]
+    layers += [keras.layers.Dense(width, activation="tanh") for width in widths]
+    layers.append(keras.layers.Dense(code))
+    layers += [keras.layers.Dense(width, activation="tanh") for width in reversed(widths)]
+    layers.append(keras.layers.Dense(input_shape[-1], activation="sigmoid"))
+    return keras.Sequential(layers)
+
+
 MODELS = {"mnist1d": make_mnist1d_model, "transformer": make_mnist1d_transformer,
-          "mnist_mlp": make_mnist_mlp, "charlm": make_char_transformer}
+          "mnist_mlp": make_mnist_mlp, "charlm": make_char_transformer, "rnn": make_mnist_gru,
+          "autoencoder": make_mnist_autoencoder}
 
 
 def build_model(task, input_shape, classes):
@@ -519,11 +574,14 @@ def keras_default_learning_rate(optimizer_class):
 
 def default_factories():
     """``{optimizer: factory(model)}``: each at its documented default, as a new user would
-    create it. (kfac-jax's adaptive mode is added by :func:`kfac_jax_runs`.)"""
+    create it, and Adam at the default THOR's learning rate. (kfac-jax's adaptive mode is
+    added by :func:`kfac_jax_runs`.)"""
     return {"THOR": lambda model: mso.thor(model),
             "SGD-momentum": lambda model: keras.optimizers.SGD(momentum=0.9),
             "Adam": lambda model: keras.optimizers.Adam(),
-            "Muon": muon}
+            "Muon": muon,
+            ADAM_AT_THOR_RATE: lambda model: keras.optimizers.Adam(
+                mso.thor.DEFAULTS["learning_rate"])}
 
 
 def _scale_label(scale):
@@ -613,6 +671,14 @@ def target_metric(task):
     return TASKS.get(task, {}).get("metric", "val_accuracy")
 
 
+def recorded_metrics(task):
+    """The validation metrics a run of ``task`` keeps per epoch: the accuracy (where the
+    task classifies) and the metric it is judged by."""
+    if "loss" in TASKS.get(task, {}):     # a reconstruction: no accuracy
+        return (target_metric(task),)
+    return tuple(dict.fromkeys(("val_accuracy", target_metric(task))))
+
+
 def first_at_target(values, target, metric="val_accuracy"):
     """Index of the first of ``values`` that :func:`reaches` ``target``, or None."""
     return next((i for i, v in enumerate(values) if reaches(v, target, metric)), None)
@@ -664,15 +730,16 @@ def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, 
     keras.utils.set_random_seed(seed)
     model = build_model(task, x_train.shape[1:], num_classes(data))
     model.set_weights(initial_weights)
-    model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
-                  metrics=["accuracy"])
+    loss = TASKS.get(task, {}).get("loss", "sparse_categorical_crossentropy")
+    model.compile(optimizer=factory(model), loss=loss,
+                  metrics=["accuracy"] if loss == "sparse_categorical_crossentropy" else [])
     timer = EpochTimer()   # first, so that its on_epoch_end runs before the others'
     timer.fit_called()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
                         validation_data=(x_val, y_val), verbose=0,
                         callbacks=[timer, StopAtTarget(target, metric)])
     return {**{key: [float(v) for v in history.history[key]]
-               for key in dict.fromkeys(("val_accuracy", metric))},
+               for key in recorded_metrics(task)},
             "epoch_seconds": timer.epoch_seconds}
 
 
@@ -775,7 +842,7 @@ def run(task, target, seeds, max_epochs, batch_size, frequency=None, optimizers=
             results[name][label] = {
                 "params": params, "epochs": epochs, "seconds": seconds,
                 **{key: [h[key] for h in histories]
-                   for key in dict.fromkeys(("val_accuracy", metric))},
+                   for key in recorded_metrics(task)},
                 "epoch_seconds": [_epoch_seconds(h) for h in histories]}
             print(f"{task:<12}{name:<17}{label:<26}epochs to {target:g} per seed: "
                   f"{' '.join(_show(e) for e in epochs):<12} median {_show(median(epochs)):>4}"

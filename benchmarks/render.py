@@ -33,7 +33,7 @@ PAGES = [os.path.join(ROOT, "docs", page)
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
-NEW_TASKS = ("mnist_mlp", "charlm")
+NEW_TASKS = ("mnist_mlp", "charlm", "rnn")
 ALL_TASKS = TASKS + NEW_TASKS
 BLOCKS = ("defaults", "robustness", "heldout")
 # The THOR configuration docs/thor_measurements.md lists for each task (benchmarks/convergence.py's
@@ -484,7 +484,7 @@ def render_convergence_half(results):
     return table(["task", "needed", "THOR, recommended configuration", "kfac-jax", "Adam"], rows)
 
 
-DEFAULTS_ORDER = ("THOR", "Adam", "Muon", "SGD-momentum", "kfac-jax")
+DEFAULTS_ORDER = ("THOR", "Adam", "Muon", "SGD-momentum", "kfac-jax", "Adam-THOR-rate")
 
 
 def _seconds(convergence, info):
@@ -525,7 +525,8 @@ def render_convergence_defaults(results):
         rows.append([f"{_title(convergence, task, info)}, {timed}",
                      *[cell(name) for name in DEFAULTS_ORDER], versus])
     return (table(["task, target, timing", "THOR", "Adam", "Muon", "SGD-momentum",
-                   "kfac-jax (adaptive)", "THOR vs the better of Adam and Muon"], rows)
+                   "kfac-jax (adaptive)", "Adam at THOR's rate",
+                   "THOR vs the better of Adam and Muon"], rows)
             + _from_files(tasks, "defaults"))
 
 

@@ -391,7 +391,7 @@ def test_robustness_block_builds_the_thor_points_and_adam_and_muon(default_thor)
 
 # Input shapes of each task's model, to build it without its data.
 SHAPES = {"mlp": (64,), "cnn": (8, 8, 1), "mnist1d": (40, 1), "transformer": (40, 1),
-          "mnist_mlp": (784,), "charlm": (64,)}
+          "mnist_mlp": (784,), "charlm": (64,), "rnn": (28, 28)}
 
 
 @pytest.mark.parametrize("task", sorted(SHAPES))
@@ -425,7 +425,7 @@ def test_defaults_block_is_each_optimizer_at_its_documented_default(default_thor
     keras.backend.clear_session()
     model = convergence.build_model("mnist_mlp", (784,), 10)
     settings = convergence.block_settings("mnist_mlp", None, "defaults")
-    assert set(settings) == {"THOR", "SGD-momentum", "Adam", "Muon"}
+    assert set(settings) == {"THOR", "SGD-momentum", "Adam", "Muon", "Adam-THOR-rate"}
     made = {name: points[0][2](0)(model) for name, points in settings.items()}
     assert all(points[0][:2] == ("default", {}) for points in settings.values())
     assert type(made["Adam"]) is keras.optimizers.Adam
@@ -437,6 +437,10 @@ def test_defaults_block_is_each_optimizer_at_its_documented_default(default_thor
     assert made["Muon"].exclude_layers == [convergence.output_layer_pattern(model)]
     assert _config(made["Muon"], "exclude_layers") == _config(keras.optimizers.Muon(),
                                                               "exclude_layers")
+    assert _config(made["Adam-THOR-rate"], "learning_rate") == _config(
+        keras.optimizers.Adam(), "learning_rate")
+    assert math.isclose(float(made["Adam-THOR-rate"].learning_rate.numpy()),
+                        default_thor.DEFAULTS["learning_rate"], rel_tol=1e-6)
     assert isinstance(made["THOR"], mso.THOR)
     assert math.isclose(float(made["THOR"].learning_rate.numpy()),
                         default_thor.DEFAULTS["learning_rate"], rel_tol=1e-6)

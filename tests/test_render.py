@@ -73,12 +73,13 @@ def test_defaults_and_robustness_tables_render_a_measured_block(tmp_path):
         "THOR": {"default": setting([3, 4, 3], [1.0, 1.2, 1.1])},
         "Adam": {"default": setting([5, 6, 5], [1.5, 1.6, 1.4])},
         "Muon": {"default": setting([4, 4, 4], [2.0, 2.0, 2.0])},
-        "SGD-momentum": {"default": setting([math.inf] * 3, [math.inf] * 3)}})
+        "SGD-momentum": {"default": setting([math.inf] * 3, [math.inf] * 3)},
+        "Adam-THOR-rate": {"default": setting([4, 4, 5], [1.2, 1.3, 1.2])}})
     text = render.render_convergence_defaults(str(results))
     row = next(line for line in text.splitlines() if line.startswith("| digits MLP"))
     assert row == ("| digits MLP, accuracy 0.97, not re-timed | 3 (3, 4, 3), 1.10 s | "
                    "5 (5, 6, 5), 1.50 s | 4 (4, 4, 4), 2.00 s | never in 15 | not run | "
-                   "0.75x epochs, 0.55x s of Muon |")
+                   "4 (4, 4, 5), 1.20 s | 0.75x epochs, 0.55x s of Muon |")
     points = {f"lr x{a} damping x{b}": setting([2, 2, 2] if b != "3" else [math.inf] * 3,
                                                [1.0] * 3, lr_scale=s)
               for a, s in (("1/3", 1 / 3), ("1", 1.0), ("3", 3.0)) for b in ("1/3", "1", "3")}

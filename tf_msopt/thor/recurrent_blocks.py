@@ -45,8 +45,8 @@ class RecurrentBlock(KroneckerBlock):
 
     kind: ClassVar[str] = "recurrent"
     layer_types: ClassVar[tuple] = tuple(_CELLS)
-    rule: ClassVar[str] = ("Kronecker factors A (step input) and G (gate gradient) over time "
-                           "steps")
+    rule: ClassVar[str] = ("Kronecker factors A (its input at each time step) and G (gate "
+                           "gradient)")
 
     @classmethod
     def refusal(cls, layer, base):

@@ -67,14 +67,13 @@ class ModelConnection:
                                         autocast=False, name="global_batch")
         sampled = (None if sampled_seed is None else SampledFisher(
             sampled_seed, step, self.output_distribution, is_statistics_step))
-        buffers, patches = iter(self.statistics), {}
-        for block, layer in zip(blocks, layers):     # a layer may have several blocks
-            _, layer_blocks, layer_buffers = patches.setdefault(id(layer), (layer, [], []))
-            layer_blocks.append(block)
-            if block.has_factors:
-                layer_buffers.append(next(buffers))
-        for layer, layer_blocks, layer_buffers in patches.values():
-            install(layer, layer_blocks, layer_buffers or None, self.batch, is_statistics_step,
+        by_layer = {}     # a layer's blocks (several for a recurrent layer) are consecutive
+        for block, layer in zip(blocks, layers):
+            by_layer.setdefault(id(layer), (layer, []))[1].append(block)
+        buffers = iter(self.statistics)
+        for layer, layer_blocks in by_layer.values():
+            statistics = [next(buffers) for block in layer_blocks if block.has_factors]
+            install(layer, layer_blocks, statistics or None, self.batch, is_statistics_step,
                     sampled)
         install_model(model, sampled)
         if getattr(model, "train_function", None) is not None:

@@ -730,9 +730,9 @@ def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, 
     keras.utils.set_random_seed(seed)
     model = build_model(task, x_train.shape[1:], num_classes(data))
     model.set_weights(initial_weights)
-    loss = TASKS.get(task, {}).get("loss", "sparse_categorical_crossentropy")
-    model.compile(optimizer=factory(model), loss=loss,
-                  metrics=["accuracy"] if loss == "sparse_categorical_crossentropy" else [])
+    model.compile(optimizer=factory(model),
+                  loss=TASKS.get(task, {}).get("loss", "sparse_categorical_crossentropy"),
+                  metrics=["accuracy"] if "val_accuracy" in recorded_metrics(task) else [])
     timer = EpochTimer()   # first, so that its on_epoch_end runs before the others'
     timer.fit_called()
     history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,

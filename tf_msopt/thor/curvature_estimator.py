@@ -131,7 +131,7 @@ class CurvatureEstimator:
         self.failed_inverses = add_variable((), "zeros", "failed_inverses", "int64")
 
     def trace_decisions(self):
-        """``{layer name: (refreshed, reused, frozen)}`` with the trace rule."""
+        """``{block name: (refreshed, reused, frozen)}`` with the trace rule."""
         return {layer.block.name: tuple(int(n) for n in layer.trace_decisions.numpy())
                 for layer in self.layers if layer.trace_decisions is not None}
 
@@ -206,7 +206,7 @@ class CurvatureEstimator:
                 and os.environ.get("TF_MSOPT_THOR_UNDIVIDED_REFRESH", "0") in ("", "0"))
 
     def refresh_owners(self, replicas):
-        """``{layer name: replica}``: which of ``replicas`` refreshes each layer's state
+        """``{block name: replica}``: which of ``replicas`` refreshes each block's state
         when the refresh is divided, balanced by the cost of its factorisations (``count *
         size^3`` a factor of ``count`` blocks). A function of the model and the number of
         replicas alone: a restarted worker takes the same layers."""

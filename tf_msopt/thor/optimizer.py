@@ -162,14 +162,15 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
 
     @property
     def curvature(self):
-        """Each factored layer's curvature state by layer name, in layer order: a
+        """Each factored block's curvature state by block name (its layer's name; a recurrent
+        layer's ``<layer>_kernel`` and ``<layer>_recurrent_kernel``), in layer order: a
         :class:`~tf_msopt.thor.curvature_estimator.LayerCurvature` of optimizer variables.
         Empty before ``build``."""
         layers = self._estimator.layers if self._estimator is not None else ()
         return {layer.block.name: layer for layer in layers}
 
     def refresh_owners(self, replicas):
-        """``{layer name: replica}``: which of ``replicas`` refreshes each factored layer
+        """``{block name: replica}``: which of ``replicas`` refreshes each factored block
         when a strategy divides the refresh (after ``build``)."""
         return self._estimator.refresh_owners(replicas) if self._estimator is not None else {}
 

@@ -118,26 +118,32 @@ def _observed_loop(layer, observe, sequences, initial_state, mask):
     if input_bias is not None:
         projection = projection + input_bias
     seen = {}
-    projection = observe(projection, lambda d: [(sequences, d),
-                                               (seen["previous"], d * seen["scale"])])
+    projection = observe(projection, lambda d: [
+        (sequences, d), (seen["previous"], d if seen["scale"] is None else d * seen["scale"])])
     steps = tf.transpose(projection, [1, 0, 2])
     if layer.go_backwards:
         steps = tf.reverse(steps, [0])
     kernel = keras.ops.convert_to_tensor(cell.recurrent_kernel)
     step = _STEPS[type(cell)]
+    # Only a GRU scales its recurrent kernel's delta (by r): the others carry no scale.
+    scaled = isinstance(cell, keras.layers.GRUCell)
 
     def scan_step(carry, projected):
         new_states, scale = step(cell, projected, carry[0], kernel, recurrent_bias)
-        return new_states, carry[0][0], scale
+        return (new_states, carry[0][0]) + ((scale,) if scaled else ())
 
-    first = tf.ones_like(steps[0])
-    new_states, previous, scale = tf.scan(scan_step, steps,
-                                          initializer=(tuple(states), states[0], first))
+    initializer = (tuple(states), states[0]) + ((tf.ones_like(steps[0]),) if scaled else ())
+    new_states, previous, *scale = tf.scan(scan_step, steps, initializer=initializer)
     outputs = tf.transpose(new_states[0], [1, 0, 2])
-    # The statistics pair each step's rows in the projection's (the sequence's) order.
-    order = (lambda t: tf.reverse(t, [0])) if layer.go_backwards else (lambda t: t)
-    seen["previous"] = tf.stop_gradient(tf.transpose(order(previous), [1, 0, 2]))
-    seen["scale"] = tf.stop_gradient(tf.transpose(order(scale), [1, 0, 2]))
+
+    def batch_major(t):
+        """``[steps, batch, ...]`` in the order the steps ran as ``[batch, steps, ...]`` in
+        the sequence's order (the projection's, which the statistics pair them with)."""
+        t = tf.reverse(t, [0]) if layer.go_backwards else t
+        return tf.stop_gradient(tf.transpose(t, [1, 0, 2]))
+
+    seen["previous"] = batch_major(previous)
+    seen["scale"] = batch_major(scale[0]) if scaled else None
     return outputs[:, -1], outputs, [s[-1] for s in new_states]
 
 
@@ -151,8 +157,7 @@ def _biases(cell):
 
 
 def _simple_rnn_step(cell, projected, states, kernel, recurrent_bias):
-    h = cell.activation(projected + tf.matmul(states[0], kernel))
-    return (h,), tf.ones_like(projected)
+    return (cell.activation(projected + tf.matmul(states[0], kernel)),), None
 
 
 def _gru_step(cell, projected, states, kernel, recurrent_bias):
@@ -179,7 +184,7 @@ def _lstm_step(cell, projected, states, kernel, recurrent_bias):
     f = cell.recurrent_activation(z_f)
     carry = f * carry + i * cell.activation(z_c)
     o = cell.recurrent_activation(z_o)
-    return (o * cell.activation(carry), carry), tf.ones_like(projected)
+    return (o * cell.activation(carry), carry), None
 
 
 _STEPS = {keras.layers.SimpleRNNCell: _simple_rnn_step, keras.layers.GRUCell: _gru_step,

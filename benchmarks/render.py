@@ -226,15 +226,20 @@ def render_thor_step_workers(results):
     rows = []
     for where, result in r["results"].items():
         divided, undivided = result["divided"], result["undivided"]
-        rows.append([where] + [f"{undivided[key]:.0f} / {divided[key]:.0f}" for key in (
-            "refresh_ms", "between_ms", "average_step_ms")]
-            + [_x(divided["refresh_ms"] / undivided["refresh_ms"]),
-               _x(divided["average_step_ms"] / undivided["average_step_ms"]),
-               f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, {result['all_gather_ms']:.0f} ms"])
+        rows += [[where, phase] + [f"{undivided[phase][key]:.0f} / {divided[phase][key]:.0f}"
+                                   for key in ("refresh_ms", "average_step_ms")]
+                 + [_x(divided[phase]["refresh_ms"] / undivided[phase]["refresh_ms"]),
+                    _x(divided[phase]["average_step_ms"] / undivided[phase]["average_step_ms"]),
+                    f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, "
+                    f"{result['all_gather_ms']:.0f} ms" if phase == "filling"
+                    else "none while every basis holds"]
+                 for phase in ("filling", "settled")]
     return (f"{r['depth']} Dense layers of {r['hidden']} units, global batch {r['batch']}, "
             f"`tf_msopt.thor(model, frequency={r['frequency']})`, medians of {r['rounds']} "
-            "rounds; ms, every replica refreshing everything / the refresh divided:\n\n"
-            + table(["where", "refresh", "step between refreshes", "average step",
+            "rounds; ms, every replica refreshing everything / the refresh divided; "
+            "*filling*: the refreshes while the statistics' averages fill (every factor "
+            "decomposed), *settled*: those after (bases kept while they hold):\n\n"
+            + table(["where", "refreshes", "refresh", "average step",
                      "refresh, divided / not", "average step, divided / not",
                      "all-gather a refresh adds"], rows)
             + machine_line(r, files=["thor_step_workers.json"]))

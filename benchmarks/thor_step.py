@@ -26,10 +26,13 @@ and one process with ``MirroredStrategy`` over two logical CPUs train ``--depth`
 layers of ``--hidden`` units with ``tf_msopt.thor(model, frequency=--frequency)`` in a
 custom loop (global batch ``--batch``, each replica its share). Each prints, with the
 refresh divided and with every replica refreshing everything
-(``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``), interleaved: the median refresh step, the median
-step between refreshes, their difference (the refresh's cost on that worker), the average
-step, and the communication the division adds (the bytes a refresh gathers, and the time
-of an all-gather of that size alone).
+(``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``), interleaved: the median step between refreshes,
+and for the refreshes while the statistics' averages fill (every factor decomposed) and
+after (a basis decomposed only where it no longer holds): the median refresh step, its
+difference to the step between (the refresh's cost on that worker) and the average step;
+then the communication the division adds (the bytes a refresh that changes a basis
+gathers, and the time of an all-gather of that size alone). ``--frequency 5 --rounds 16``
+gives each phase seven or more refreshes.
 
 ``--split`` adds, per model, the split of one THOR step: the stale step, a THOR
 step alone, the gradient pass with and without the statistics capture, and the
@@ -41,6 +44,7 @@ writes it to FILE, replacing the file).
     python benchmarks/thor_step.py [--model mlp|digits-mlp|resnet50|transformer|all]
                                    [--batch B] [--frequency F] [--rounds R] [--split]
     python benchmarks/thor_step.py --workers 2 [--hidden 512] [--depth 8] [--batch 32]
+                                   [--frequency 5 --rounds 16]
 """
 import argparse
 import json
@@ -354,16 +358,22 @@ def scale_out_worker(args):
         return step, optimizer
 
     cases = {"divided": make_case(False), "undivided": make_case(True)}
-    samples = {name: {"refresh": [], "between": []} for name in cases}
+    samples = {name: {"filling": [], "settled": [], "between": []} for name in cases}
     for round_index in range(args.rounds):
         for name in (list(cases) if round_index % 2 else list(cases)[::-1]):
             step, optimizer = cases[name]
+            layer = next(iter(optimizer.curvature.values()))
             for _ in range(args.frequency):
                 refresh = int(optimizer.iterations.numpy()) % args.frequency == 0
                 start = time.perf_counter()
                 step(inputs)
-                samples[name]["refresh" if refresh else "between"].append(
-                    time.perf_counter() - start)
+                elapsed = time.perf_counter() - start
+                # While the averages fill, every refresh decomposes every factor; after,
+                # only those whose basis no longer holds.
+                phase = ("between" if not refresh else "filling"
+                         if float(layer.count.numpy()) < optimizer.preconditioner.filled
+                         else "settled")
+                samples[name][phase].append(elapsed)
 
     # The communication a divided refresh adds: one all-gather of the refreshed state (each
     # replica's share; timed with equal shares).
@@ -387,11 +397,13 @@ def scale_out_worker(args):
               "gathered_bytes": 4 * elements,
               "all_gather_ms": 1e3 * float(np.median(gather_times))}
     for name, times in samples.items():
-        refresh, between = (1e3 * float(np.median(times[kind])) for kind in ("refresh", "between"))
-        result[name] = {"refresh_step_ms": refresh, "between_ms": between,
-                        "refresh_ms": refresh - between,
-                        "average_step_ms": (refresh + (args.frequency - 1) * between)
-                        / args.frequency}
+        median = {phase: 1e3 * float(np.median(values)) for phase, values in times.items()}
+        between = median["between"]
+        result[name] = {"between_ms": between, **{phase: {
+            "refreshes": len(times[phase]), "refresh_step_ms": median[phase],
+            "refresh_ms": median[phase] - between,
+            "average_step_ms": (median[phase] + (args.frequency - 1) * between)
+            / args.frequency} for phase in ("filling", "settled")}}
     return result
 
 
@@ -435,17 +447,20 @@ def run_scale_out(args):
     results["MirroredStrategy, 2 logical CPUs"] = mirrored[0]
     print(f"{args.depth} Dense layers of {args.hidden}, global batch {args.batch}, "
           f"thor(model, frequency={args.frequency}); ms per step, medians of {args.rounds} rounds")
-    print(f"{'':34}{'refresh step':>13}{'between':>9}{'refresh':>9}{'average':>9}")
+    print(f"{'':44}{'refresh step':>13}{'between':>9}{'refresh':>9}{'average':>9}")
     for where, result in results.items():
-        for name in ("undivided", "divided"):
-            r = result[name]
-            print(f"{where + ', ' + name:34}{r['refresh_step_ms']:>13.1f}{r['between_ms']:>9.1f}"
-                  f"{r['refresh_ms']:>9.1f}{r['average_step_ms']:>9.1f}")
-        print(f"{'':4}divided/undivided: refresh "
-              f"{result['divided']['refresh_ms'] / result['undivided']['refresh_ms']:.2f}x, "
-              f"average step {result['divided']['average_step_ms'] / result['undivided']['average_step_ms']:.2f}x; "
-              f"all-gather of {result['gathered_bytes'] / 2 ** 20:.1f} MiB a refresh: "
-              f"{result['all_gather_ms']:.1f} ms")
+        for phase in ("filling", "settled"):
+            for name in ("undivided", "divided"):
+                r = result[name][phase]
+                print(f"{where + ', ' + phase + ', ' + name:44}{r['refresh_step_ms']:>13.1f}"
+                      f"{result[name]['between_ms']:>9.1f}{r['refresh_ms']:>9.1f}"
+                      f"{r['average_step_ms']:>9.1f}")
+            divided, undivided = result["divided"][phase], result["undivided"][phase]
+            print(f"{'':4}{phase}, divided/undivided: refresh "
+                  f"{divided['refresh_ms'] / undivided['refresh_ms']:.2f}x, average step "
+                  f"{divided['average_step_ms'] / undivided['average_step_ms']:.2f}x")
+        print(f"{'':4}all-gather of {result['gathered_bytes'] / 2 ** 20:.1f} MiB (a refresh "
+              f"that changes a basis): {result['all_gather_ms']:.1f} ms")
     return results
 
 

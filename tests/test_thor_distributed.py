@@ -118,6 +118,9 @@ def train_deep(strategy, monkeypatch, undivided, preset, steps=7):
         model = deep_mlp()
         if preset == "mindspore":
             optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=8)
+        elif preset == "kept":   # every basis kept once the averages have filled (step 3)
+            optimizer = mso.thor(model, frequency=3, statistics_decay=0.5,
+                                 eigenbasis_tolerance=0.99)
         else:
             optimizer = mso.thor(model, frequency=3, eigenbasis_tolerance=None)
         model.compile(optimizer=optimizer, loss="mse")
@@ -128,21 +131,31 @@ def train_deep(strategy, monkeypatch, undivided, preset, steps=7):
     return model.get_weights(), optimizer, devices
 
 
-@pytest.mark.parametrize("preset", ["default", "mindspore"])
+@pytest.mark.parametrize("preset", ["default", "mindspore", "kept"])
 def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monkeypatch,
                                                          preset):
     """Each replica factorises about half the factors; the other half arrives through the
-    all-reduce, bit for bit what the replica would have computed (MindSpore's form: the
-    single device's result)."""
+    all-gather, bit for bit what the replica would have computed (MindSpore's form: the
+    single device's result), and a refresh that keeps every basis gathers nothing."""
+    from tf_msopt.thor import curvature_estimator
     single, _, _ = train_deep(tf.distribute.get_strategy(), monkeypatch, False, preset)
     keras.backend.clear_session()
     undivided, _, everywhere = train_deep(two_cpu_strategy, monkeypatch, True, preset)
     keras.backend.clear_session()
+    gathers, gather = [], curvature_estimator.gather_device_values
+
+    def counted_gather(distribution, values):   # counts the gathers that run
+        gathered = gather(distribution, values)
+        return tf.py_function(lambda value: gathers.append(1) or value, [gathered],
+                              gathered.dtype)
+    monkeypatch.setattr(curvature_estimator, "gather_device_values", counted_gather)
     tf.distribute.MirroredStrategy._collective_key_base += 1000  # as two_cpu_strategy does
     divided, optimizer, shared = train_deep(tf.distribute.MirroredStrategy(
         ["/cpu:0", "/cpu:1"]), monkeypatch, False, preset)
     for got, want in zip(divided, undivided):
         np.testing.assert_array_equal(got, want)
+    # Refreshes at steps 0, 3 and 6; with "kept" only the first changes a basis.
+    assert len(gathers) == (1 if preset == "kept" else 3)
     if preset == "mindspore":
         # The default's steps in directions of rounding-level curvature follow the order in
         # which the statistics were summed (2e-4 apart here, divided or not).

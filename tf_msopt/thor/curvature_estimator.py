@@ -17,7 +17,7 @@ import tensorflow as tf
 from tf_msopt.thor.curvature_base import CurvatureBlock
 from tf_msopt.thor.execution import (TracedOnce, balanced_owners, buckets, device_of,
                                      gather_device_values, on_each_device, replica_ids,
-                                     sum_over_replicas, when)
+                                     sum_device_values, sum_over_replicas, when)
 
 __all__ = ["CurvatureEstimator", "LayerCurvature"]
 
@@ -220,26 +220,41 @@ class CurvatureEstimator:
 
     def _divided_update(self, distribution, first, bucket, summed, root_damping, g_scale):
         """One bucket's layers with the refresh divided: the averages on every device, each
-        layer's refresh on the replica that owns it, and every replica's refreshed state
-        gathered by all of them (one all-gather a refresh)."""
+        layer's refresh on the replica that owns it, one all-reduce of whether the
+        replicas' refreshes computed anything and of their counts, and, where any did, one
+        all-gather that hands every replica all of the refreshed state."""
         if self.options.statistics_decay is not None:
             on_each_device(distribution, first, self.traced_averages,
                            (bucket, summed, g_scale))
         ids, replicas = replica_ids(distribution), distribution.num_replicas_in_sync
 
         def share():
-            parts = {}
+            parts, summaries = {}, {}
 
             def part(component, *args):
                 replica = ids[device_of(component)]
-                parts[replica] = self.traced_part(replica, *args)
-                return parts[replica]
+                parts[replica], summaries[replica] = self.traced_part(replica, *args)
+                return summaries[replica]
 
             distribution.extended.update(first.value, part, group=False, args=(
                 replicas, bucket, summed, root_damping, g_scale))
-            gathered = gather_device_values(distribution, parts)
-            on_each_device(distribution, first, self._assign_gathered,
-                           (replicas, bucket, gathered))
+            changed, retried, kept = tf.unstack(sum_device_values(distribution, summaries))
+            on_each_device(distribution, first, self._count_failures, (retried, kept))
+
+            def hand_around():
+                flat = {}
+                for device, replica in ids.items():
+                    with tf.device(device):   # (the empty tensor: a replica may own nothing)
+                        flat[replica] = tf.concat([tf.reshape(value, [-1])
+                                                   for value in parts[replica]]
+                                                  + [tf.zeros([0])], 0)
+                gathered = gather_device_values(distribution, flat)
+                on_each_device(distribution, first, self._assign_gathered,
+                               (replicas, bucket, gathered))
+                return tf.constant(True)
+
+            # A refresh that kept every basis computed nothing: nothing to hand around.
+            when(changed > 0, hand_around)
             return tf.constant(True)
 
         when(True if self.options.statistics_decay is None else self.is_refresh_step(), share)
@@ -250,30 +265,37 @@ class CurvatureEstimator:
         return [index for index in bucket if owners[self.layers[index].block.name] == replica]
 
     def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
-        """This replica's share of one bucket's refresh, flat: the refreshed state of the
-        layers it owns, in layer order, then its counts of retried and kept blocks."""
+        """This replica's share of one bucket's refresh: the refreshed state of the layers
+        it owns, in layer order, and ``(changed, retried, kept)``: whether any of it was
+        computed anew, and the counts of blocks retried and kept."""
         owned = self._owned(replica, replicas, bucket)
         if self.options.statistics_decay is None:
             fresh = self._normalized(owned, [statistics[bucket.index(index)] for index in owned],
                                      g_scale)
         else:
             fresh = [self._corrected_averages(self.layers[index]) for index in owned]
-        values, retried, kept = {}, 0, 0
+        values, retried, kept, changed = {}, 0, 0, False
         if fresh:
-            retried, kept = self.preconditioner.refresh(
+            retried, kept, changed = self.preconditioner.refresh(
                 self._with_damping(fresh, root_damping),
                 lambda variable, value: values.__setitem__(id(variable), value))
-        flat = [tf.reshape(values[id(variable)], [-1]) for index in owned
-                for variable in self.preconditioner.refreshed_state(self.layers[index])]
-        counts = [tf.cast(0 if retried is None else retried, tf.float32),
-                  tf.cast(kept, tf.float32)]
-        return tf.concat(flat + [tf.stack(counts)], 0)
+        state = [values[id(variable)] for index in owned
+                 for variable in self.preconditioner.refreshed_state(self.layers[index])]
+        return state, tf.stack([tf.cast(count, tf.float32) for count in (
+            changed, 0 if retried is None else retried, kept)])
+
+    def _count_failures(self, device_variable, retried, kept):
+        """Adds the blocks a refresh retried (None: the preconditioner retries none) and
+        kept to the counts (on the device of ``device_variable``, if any)."""
+        if retried is not None:
+            self._assign_add(self.damping_retries, retried)
+        self._assign_add(self.failed_inverses, kept)
+        return tf.constant(True)
 
     def _assign_gathered(self, device_variable, replicas, bucket, gathered):
         """Assigns one bucket's refreshed state from ``gathered`` (every replica's
-        :meth:`_refresh_part`, in replica order) on one device, and counts the retried
-        and kept blocks."""
-        offset, retried, kept = 0, 0.0, 0.0
+        :meth:`_refresh_part`, in replica order) on one device."""
+        offset = 0
         for replica in range(replicas):
             for index in self._owned(replica, replicas, bucket):
                 for variable in self.preconditioner.refreshed_state(self.layers[index]):
@@ -281,10 +303,6 @@ class CurvatureEstimator:
                     self._assign(variable, tf.reshape(gathered[offset:offset + size],
                                                       variable.shape))
                     offset += size
-            retried, kept = retried + gathered[offset], kept + gathered[offset + 1]
-            offset += 2
-        self._assign_add(self.damping_retries, retried)
-        self._assign_add(self.failed_inverses, kept)
         return tf.constant(True)
 
     def _update_averages(self, layer, a, g, rows, g_scale):
@@ -346,11 +364,8 @@ class CurvatureEstimator:
     def _refresh_layers(self, refreshes):
         """The preconditioner's refresh of ``refreshes`` (``(layer, a, g, use, damping)``), its
         failures counted."""
-        retried, kept = self.preconditioner.refresh(refreshes, self._assign)
-        if retried is not None:
-            self._assign_add(self.damping_retries, retried)
-        self._assign_add(self.failed_inverses, kept)
-        return tf.constant(True)
+        retried, kept, _ = self.preconditioner.refresh(refreshes, self._assign)
+        return self._count_failures(None, retried, kept)
 
     def _trace_rule(self, layer, trace, observed):
         """THOR's per-layer rule; returns whether to refresh, counts the decision."""

@@ -100,9 +100,20 @@ def gather_device_values(distribution, values):
     """``values`` (``{replica id: vector}`` for this worker's replicas, each on its device)
     of every replica, concatenated in replica order: one all-gather through the strategy's
     collectives."""
-    per_replica = distribution.experimental_distribute_values_from_function(
+    return distribution.gather(_per_replica(distribution, values), axis=0)
+
+
+def sum_device_values(distribution, values):
+    """The sum over every replica of ``values`` (``{replica id: tensor}`` for this worker's
+    replicas, each on its device): one all-reduce through the strategy's collectives."""
+    return distribution.reduce(tf.distribute.ReduceOp.SUM, _per_replica(distribution, values),
+                               axis=None)
+
+
+def _per_replica(distribution, values):
+    """A distributed value from ``{replica id: tensor}``."""
+    return distribution.experimental_distribute_values_from_function(
         lambda context: values[context.replica_id_in_sync_group])
-    return distribution.gather(per_replica, axis=0)
 
 
 def device_of(variable_component):

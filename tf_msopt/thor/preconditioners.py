@@ -76,7 +76,7 @@ class InversePreconditioner:
     def refresh(self, refreshes, assign):
         """New inverses for ``refreshes`` (``(layer, a, g, use, damping)``; blocks of one size
         inverted in one call), assigned where ``use`` holds. Returns the counts of blocks
-        retried and kept."""
+        retried and kept, and whether any block was computed anew."""
         inputs = self.precondition_inputs
         factors, use = [], []
         for layer, a, g, used, damping in refreshes:
@@ -93,7 +93,7 @@ class InversePreconditioner:
             if inputs:
                 assign(layer.a_inverse, next(inverses))
             assign(layer.g_inverse, next(inverses))
-        return retried, kept
+        return retried, kept, tf.reduce_any(use)
 
     def step(self, layer, gradient, step, assign):
         a_inverse = tf.convert_to_tensor(layer.a_inverse) if self.precondition_inputs else None
@@ -186,8 +186,8 @@ class EigenbasisPreconditioner:
         assigned where ``use`` holds (and, with a tolerance, where the previous basis no
         longer holds): the factors of one layout with blocks of at most ``GROUPED_SIZE``
         in one call under one conditional (none up to ``UNCONDITIONAL_SIZE``), wider ones
-        each under its own. Returns None (no block is retried) and the count of blocks
-        kept."""
+        each under its own. Returns None (no block is retried), the count of blocks kept
+        and whether any block was decomposed."""
         groups = {}
         for layer, a, g, used, _ in refreshes:
             block, sides, filling = layer.block, [], self._filling(layer)
@@ -199,7 +199,7 @@ class EigenbasisPreconditioner:
                 key = layout if layout.size <= GROUPED_SIZE else (layout, id(variable))
                 groups.setdefault(key, []).append((layout, variable, statistics, used,
                                                    filling))
-        kept = []
+        kept, decomposed = [], []
         for members in groups.values():
             layouts, variables, statistics, used, filling = zip(*members)
             layout = layouts[0]
@@ -212,6 +212,7 @@ class EigenbasisPreconditioner:
                 drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
                 decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
             use = tf.repeat(decompose, layout.count)     # per block
+            decomposed.append(tf.reduce_any(use))
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
             else:
@@ -223,7 +224,7 @@ class EigenbasisPreconditioner:
             for variable, part in zip(variables, tf.split(vectors, len(variables))):
                 assign(variable, part)
             kept.append(failed)
-        return None, tf.add_n(kept)
+        return None, tf.add_n(kept), tf.reduce_any(decomposed)
 
     def _filling(self, layer):
         """Whether ``layer``'s moving averages are still filling (no average: never)."""

@@ -221,28 +221,35 @@ def render_thor_step_split(results):
             + machine_line(r, files=["thor_step_resnet50_split.json"]))
 
 
+WORKERS_FILES = ["thor_step_workers.json", "thor_step_workers_1024.json"]
+
+
 def render_thor_step_workers(results):
-    r = load("thor_step_workers.json", results)
+    payloads = [load(name, results) for name in WORKERS_FILES]
     rows = []
-    for where, result in r["results"].items():
-        divided, undivided = result["divided"], result["undivided"]
-        rows += [[where, phase] + [f"{undivided[phase][key]:.0f} / {divided[phase][key]:.0f}"
-                                   for key in ("refresh_ms", "average_step_ms")]
-                 + [_x(divided[phase]["refresh_ms"] / undivided[phase]["refresh_ms"]),
-                    _x(divided[phase]["average_step_ms"] / undivided[phase]["average_step_ms"]),
-                    f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, "
-                    f"{result['all_gather_ms']:.0f} ms" if phase == "filling"
-                    else "none while every basis holds"]
-                 for phase in ("filling", "settled")]
-    return (f"{r['depth']} Dense layers of {r['hidden']} units, global batch {r['batch']}, "
-            f"`tf_msopt.thor(model, frequency={r['frequency']})`, medians of {r['rounds']} "
-            "rounds; ms, every replica refreshing everything / the refresh divided; "
-            "*filling*: the refreshes while the statistics' averages fill (every factor "
-            "decomposed), *settled*: those after (bases kept while they hold):\n\n"
-            + table(["where", "refreshes", "refresh", "average step",
+    for r in payloads:
+        for where, result in r["results"].items():
+            divided, undivided = result["divided"], result["undivided"]
+            rows += [[r["hidden"], where, phase]
+                     + [f"{undivided[phase][key]:.0f} / {divided[phase][key]:.0f}"
+                        for key in ("refresh_ms", "average_step_ms")]
+                     + [_x(divided[phase]["refresh_ms"] / undivided[phase]["refresh_ms"]),
+                        _x(divided[phase]["average_step_ms"]
+                           / undivided[phase]["average_step_ms"]),
+                        f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, "
+                        f"{result['all_gather_ms']:.0f} ms" if phase == "filling"
+                        else "none while every basis holds"]
+                     for phase in ("filling", "settled")]
+    first = payloads[0]
+    return (f"{first['depth']} Dense layers of the width given, global batch {first['batch']}, "
+            f"`tf_msopt.thor(model, frequency={first['frequency']})`, medians of "
+            f"{first['rounds']} rounds; ms, every replica refreshing everything / the refresh "
+            "divided; *filling*: the refreshes while the statistics' averages fill (every "
+            "factor decomposed), *settled*: those after (bases kept while they hold):\n\n"
+            + table(["width", "where", "refreshes", "refresh", "average step",
                      "refresh, divided / not", "average step, divided / not",
                      "all-gather a refresh adds"], rows)
-            + machine_line(r, files=["thor_step_workers.json"]))
+            + machine_line(*payloads, files=WORKERS_FILES))
 
 
 def render_default_step(results):
@@ -616,7 +623,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
-    "thor_step_workers": (render_thor_step_workers, ["thor_step_workers.json"]),
+    "thor_step_workers": (render_thor_step_workers, WORKERS_FILES),
     "default_step": (render_default_step, ["default_step.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),

@@ -33,7 +33,7 @@ PAGES = [os.path.join(ROOT, "docs", page)
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
-NEW_TASKS = ("mnist_mlp", "charlm", "rnn")
+NEW_TASKS = ("mnist_mlp", "charlm", "rnn", "autoencoder")
 ALL_TASKS = TASKS + NEW_TASKS
 BLOCKS = ("defaults", "robustness", "heldout")
 # The THOR configuration docs/thor_measurements.md lists for each task (benchmarks/convergence.py's
@@ -497,6 +497,7 @@ def render_convergence_half(results):
 
 
 DEFAULTS_ORDER = ("THOR", "Adam", "Muon", "SGD-momentum", "kfac-jax", "Adam-THOR-rate")
+DEFAULTS_HEADERS = {"kfac-jax": "kfac-jax (adaptive)", "Adam-THOR-rate": "Adam at THOR's rate"}
 
 
 def _seconds(convergence, info):
@@ -536,10 +537,35 @@ def render_convergence_defaults(results):
                       f"{_x(seconds['THOR'] / seconds[rival])} s of {rival}")
         rows.append([f"{_title(convergence, task, info)}, {timed}",
                      *[cell(name) for name in DEFAULTS_ORDER], versus])
-    return (table(["task, target, timing", "THOR", "Adam", "Muon", "SGD-momentum",
-                   "kfac-jax (adaptive)", "Adam at THOR's rate",
+    return (table(["task, target, timing",
+                   *[DEFAULTS_HEADERS.get(name, name) for name in DEFAULTS_ORDER],
                    "THOR vs the better of Adam and Muon"], rows)
             + _from_files(tasks, "defaults"))
+
+
+LOWEST_LOSS_FILE = "convergence_autoencoder_curves.json"
+
+
+def render_convergence_lowest_loss(results):
+    """The autoencoder's defaults run for all their epochs (``--target 0``): each one's lowest
+    validation loss on each seed, with its epoch: how far each gets, target or not."""
+    convergence = _convergence()
+    path = os.path.join(results, LOWEST_LOSS_FILE)
+    if not os.path.exists(path):
+        return ("not measured yet: run `python benchmarks/convergence.py --block defaults "
+                f"--task autoencoder --target 0 --out benchmarks/results/{LOWEST_LOSS_FILE}`\n")
+    info = convergence.load_results([path])["autoencoder"]
+    rows = []
+    for name in (name for name in DEFAULTS_ORDER if name in info["runs"]):
+        lowest = [min((loss, epoch + 1) for epoch, loss in enumerate(curve))
+                  for curve in next(iter(info["runs"][name].values()))["val_loss"]]
+        rows.append([DEFAULTS_HEADERS.get(name, name),
+                     ", ".join(f"{loss:.4f} ({epoch})" for loss, epoch in lowest),
+                     f"{median(loss for loss, _ in lowest):.4f}"])
+    return (table(["optimizer", f"lowest validation loss in {info['max_epochs']} epochs, seeds "
+                   f"{', '.join(str(seed) for seed in info['seeds'])} (its epoch)", "median"],
+                  rows)
+            + machine_line(info, files=[LOWEST_LOSS_FILE]))
 
 
 def render_convergence_robustness(results):
@@ -629,6 +655,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
     "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
+    "convergence_lowest_loss": (render_convergence_lowest_loss, [LOWEST_LOSS_FILE]),
     "convergence_grids": (render_convergence_grids, [results_file(task) for task in ALL_TASKS]),
     "convergence_retimed": (render_convergence_retimed, [results_file(task) for task in ALL_TASKS]),
     "convergence_half": (render_convergence_half, [f"convergence_{task}.json" for task in TASKS]),
@@ -642,7 +669,7 @@ TABLES = {  # name: (renderer, the results files it reads)
                             [results_file(task, "heldout") for task in ALL_TASKS]),
     "state_dtype": (render_state_dtype, [results_file("charlm", "state_dtype")]),
 }
-OPTIONAL = sorted({results_file(task) for task in NEW_TASKS}
+OPTIONAL = sorted({results_file(task) for task in NEW_TASKS} | {LOWEST_LOSS_FILE}
                   | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})
 SOURCES = sorted({f for _, files in TABLES.values() for f in files})
 

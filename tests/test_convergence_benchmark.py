@@ -391,7 +391,7 @@ def test_robustness_block_builds_the_thor_points_and_adam_and_muon(default_thor)
 
 # Input shapes of each task's model, to build it without its data.
 SHAPES = {"mlp": (64,), "cnn": (8, 8, 1), "mnist1d": (40, 1), "transformer": (40, 1),
-          "mnist_mlp": (784,), "charlm": (64,), "rnn": (28, 28)}
+          "mnist_mlp": (784,), "charlm": (64,), "rnn": (28, 28), "autoencoder": (784,)}
 
 
 @pytest.mark.parametrize("task", sorted(SHAPES))

@@ -212,12 +212,12 @@ class EigenbasisPreconditioner:
                 drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
                 decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
             use = tf.repeat(decompose, layout.count)     # per block
-            decomposed.append(tf.reduce_any(use))
+            decomposed.append(tf.reduce_any(decompose))
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
             else:
                 vectors, failed = tf.cond(
-                    tf.reduce_any(use),
+                    decomposed[-1],
                     lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
                         s, l, p, u),
                     lambda p=previous: (p, tf.constant(0, tf.int64)))

@@ -221,16 +221,20 @@ def render_thor_step_split(results):
             + machine_line(r, files=["thor_step_resnet50_split.json"]))
 
 
-WORKERS_FILES = ["thor_step_workers.json", "thor_step_workers_1024.json"]
+WORKERS_FILES = ["thor_step_workers.json", "thor_step_workers_1024.json",
+                 "thor_step_workers_resnet50.json", "thor_step_workers_transformer.json"]
 
 
 def render_thor_step_workers(results):
     payloads = [load(name, results) for name in WORKERS_FILES]
     rows = []
     for r in payloads:
+        model = {"mlp": f"{r['depth']} Dense x {r['hidden']}", "resnet50": "ResNet50, 64x64",
+                 "transformer": "2-block transformer, width 128"}[r["model"]]
+        model += f", batch {r['batch']}, {r['rounds']} rounds"
         for where, result in r["results"].items():
             divided, undivided = result["divided"], result["undivided"]
-            rows += [[r["hidden"], where, phase]
+            rows += [[model, where, phase]
                      + [f"{undivided[phase][key]:.0f} / {divided[phase][key]:.0f}"
                         for key in ("refresh_ms", "average_step_ms")]
                      + [_x(divided[phase]["refresh_ms"] / undivided[phase]["refresh_ms"]),
@@ -240,13 +244,12 @@ def render_thor_step_workers(results):
                         f"{result['all_gather_ms']:.0f} ms" if phase == "filling"
                         else "none while every basis holds"]
                      for phase in ("filling", "settled")]
-    first = payloads[0]
-    return (f"{first['depth']} Dense layers of the width given, global batch {first['batch']}, "
-            f"`tf_msopt.thor(model, frequency={first['frequency']})`, medians of "
-            f"{first['rounds']} rounds; ms, every replica refreshing everything / the refresh "
+    frequencies = {r["frequency"] for r in payloads}
+    return (f"`tf_msopt.thor(model, frequency={'/'.join(map(str, sorted(frequencies)))})`, "
+            "medians over the rounds; ms, every replica refreshing everything / the refresh "
             "divided; *filling*: the refreshes while the statistics' averages fill (every "
             "factor decomposed), *settled*: those after (bases kept while they hold):\n\n"
-            + table(["width", "where", "refreshes", "refresh", "average step",
+            + table(["model", "where", "refreshes", "refresh", "average step",
                      "refresh, divided / not", "average step, divided / not",
                      "all-gather a refresh adds"], rows)
             + machine_line(*payloads, files=WORKERS_FILES))

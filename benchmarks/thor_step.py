@@ -20,10 +20,11 @@ Models (``--model``, ``all`` runs every one; the defaults are the targets'):
   LayerNorm] -> average pooling -> Dense, batch 32, frequency 10; every
   EinsumDense/Dense kernel must be preconditioned (checked); average <= 1.3x.
 
-``--workers N`` times the refresh divided among replicas instead (no SGD, no ``--model``):
+``--workers N`` times the refresh divided among replicas instead (no SGD):
 ``N`` worker processes on localhost (``MultiWorkerMirroredStrategy``, one CPU thread each)
-and one process with ``MirroredStrategy`` over two logical CPUs train ``--depth`` Dense
-layers of ``--hidden`` units with ``tf_msopt.thor(model, frequency=--frequency)`` in a
+and one process with ``MirroredStrategy`` over two logical CPUs train ``--model``
+(``mlp``: ``--depth`` Dense layers of ``--hidden`` units; ``resnet50`` and ``transformer``
+as above) with ``tf_msopt.thor(model, frequency=--frequency)`` in a
 custom loop (global batch ``--batch``, each replica its share). Each prints, with the
 refresh divided and with every replica refreshing everything
 (``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``), interleaved: the median step between refreshes,
@@ -43,7 +44,8 @@ writes it to FILE, replacing the file).
 
     python benchmarks/thor_step.py [--model mlp|digits-mlp|resnet50|transformer|all]
                                    [--batch B] [--frequency F] [--rounds R] [--split]
-    python benchmarks/thor_step.py --workers 2 [--hidden 512] [--depth 8] [--batch 32]
+    python benchmarks/thor_step.py --workers 2 [--model mlp|resnet50|transformer]
+                                   [--hidden 512] [--depth 8] [--batch 32]
                                    [--frequency 5 --rounds 16]
 """
 import argparse
@@ -318,12 +320,27 @@ def scale_out_strategy():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+def scale_out_model(args, rng):
+    """``(build_model, global batch of inputs, title)`` of ``--model`` under ``--workers``:
+    ``mlp`` is ``--depth`` Dense layers of ``--hidden`` units."""
+    if args.model != "mlp":
+        return BUILDERS[args.model](args, rng)
+
+    def model():
+        return keras.Sequential(
+            [keras.Input((args.hidden,))]
+            + [keras.layers.Dense(args.hidden, activation="relu") for _ in range(args.depth - 1)]
+            + [keras.layers.Dense(args.classes)])
+    x = rng.normal(size=(args.batch, args.hidden)).astype("float32")
+    return model, x, f"{args.depth} Dense layers of {args.hidden}"
+
+
 def scale_out_worker(args):
     """This worker's timings (see the module's docstring), as a dict."""
     strategy = scale_out_strategy()
     replicas = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(args.batch, args.hidden)).astype("float32")
+    build_model, x, _ = scale_out_model(args, rng)
     y = rng.integers(0, args.classes, size=args.batch).astype("int32")
     share = args.batch // replicas
     inputs = strategy.experimental_distribute_values_from_function(lambda context: (
@@ -333,10 +350,7 @@ def scale_out_worker(args):
     def make_case(undivided):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = keras.Sequential(
-                [keras.Input((args.hidden,))]
-                + [keras.layers.Dense(args.hidden, activation="relu")
-                   for _ in range(args.depth - 1)] + [keras.layers.Dense(args.classes)])
+            model = build_model()
             optimizer = mso.thor(model, frequency=args.frequency)
             optimizer.build(model.trainable_variables)
 
@@ -359,7 +373,9 @@ def scale_out_worker(args):
 
     cases = {"divided": make_case(False), "undivided": make_case(True)}
     samples = {name: {"filling": [], "settled": [], "between": []} for name in cases}
-    for round_index in range(args.rounds):
+    # Two untimed rounds first: the first refresh after switching to the other case's
+    # function once costs a second or more.
+    for round_index in range(-2, args.rounds):
         for name in (list(cases) if round_index % 2 else list(cases)[::-1]):
             step, optimizer = cases[name]
             layer = next(iter(optimizer.curvature.values()))
@@ -373,7 +389,8 @@ def scale_out_worker(args):
                 phase = ("between" if not refresh else "filling"
                          if float(layer.count.numpy()) < optimizer.preconditioner.filled
                          else "settled")
-                samples[name][phase].append(elapsed)
+                if round_index >= 0:
+                    samples[name][phase].append(elapsed)
 
     # The communication a divided refresh adds: one all-gather of the refreshed state (each
     # replica's share; timed with equal shares).
@@ -407,12 +424,12 @@ def scale_out_worker(args):
     return result
 
 
-def run_scale_out(args):
+def run_scale_out(args, title):
     """``args.workers`` MultiWorkerMirroredStrategy workers on localhost, then one
     MirroredStrategy process over two logical CPUs; returns their results by name."""
     command = [sys.executable, os.path.abspath(__file__), "--scale-out-worker",
-               "--hidden", str(args.hidden), "--depth", str(args.depth), "--batch",
-               str(args.batch), "--frequency", str(args.frequency), "--rounds",
+               "--model", args.model, "--hidden", str(args.hidden), "--depth", str(args.depth),
+               "--batch", str(args.batch), "--frequency", str(args.frequency), "--rounds",
                str(args.rounds), "--classes", str(args.classes)]
 
     def collect(processes):
@@ -445,7 +462,7 @@ def run_scale_out(args):
                                          stderr=subprocess.PIPE, text=True, env=env)])
     results = {f"worker {index}": result for index, result in enumerate(workers)}
     results["MirroredStrategy, 2 logical CPUs"] = mirrored[0]
-    print(f"{args.depth} Dense layers of {args.hidden}, global batch {args.batch}, "
+    print(f"{title}, global batch {args.batch}, "
           f"thor(model, frequency={args.frequency}); ms per step, medians of {args.rounds} rounds")
     print(f"{'':44}{'refresh step':>13}{'between':>9}{'refresh':>9}{'average':>9}")
     for where, result in results.items():
@@ -490,13 +507,16 @@ def main():
         args.batch = args.batch or 32
         args.frequency = args.frequency or 10
         args.rounds = args.rounds or 10
+        if args.model == "all":
+            parser.error("--workers times one --model")
         if args.scale_out_worker:
             print(json.dumps(scale_out_worker(args)))
             return
-        emit({"benchmark": "thor_step_workers", "machine": machine(),
-              "hidden": args.hidden, "depth": args.depth, "batch": args.batch,
+        title = scale_out_model(args, np.random.default_rng(0))[2]
+        emit({"benchmark": "thor_step_workers", "machine": machine(), "model": args.model,
+              "title": title, "hidden": args.hidden, "depth": args.depth, "batch": args.batch,
               "frequency": args.frequency, "rounds": args.rounds,
-              "results": run_scale_out(args)}, args.out)
+              "results": run_scale_out(args, title)}, args.out)
         return
 
     names = list(MODELS) if args.model == "all" else [args.model]

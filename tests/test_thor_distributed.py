@@ -175,3 +175,42 @@ def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monke
                                         "g_eigenvectors"):
         first, second = (v.numpy() for v in variable.value.values)
         np.testing.assert_array_equal(first, second)
+
+
+
+def test_divided_refresh_resumes_exactly(two_cpu_strategy, tmp_path):
+    """Restored from a checkpoint under a new strategy (as a restarted worker), the divided
+    refresh deals out the same layers and the run continues bit for bit as the run that
+    was never stopped (refreshes at steps 0 and 3 before the checkpoint, 6 after)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16 * 8, 12)).astype("float32")
+    y = rng.normal(size=(16 * 8, 3)).astype("float32")
+
+    def build(strategy, restore=None):
+        with strategy.scope():
+            model = deep_mlp()
+            optimizer = mso.thor(model, frequency=3)
+            optimizer.build(model.trainable_variables)
+            model.compile(optimizer=optimizer, loss="mse")
+            checkpoint = tf.train.Checkpoint(model=model, optimizer=optimizer)
+            if restore:
+                checkpoint.read(restore).assert_consumed()
+        return model, optimizer, checkpoint
+
+    def fit(model, first_step):
+        rows = slice(16 * first_step, 16 * (first_step + 4))
+        model.fit(x[rows], y[rows], batch_size=16, epochs=1, shuffle=False, verbose=0)
+
+    model, optimizer, checkpoint = build(two_cpu_strategy)
+    fit(model, 0)
+    path = checkpoint.write(str(tmp_path / "ckpt"))
+    fit(model, 4)
+    uninterrupted, owners = model.get_weights(), optimizer.refresh_owners(2)
+    keras.backend.clear_session()
+    tf.distribute.MirroredStrategy._collective_key_base += 1000  # as two_cpu_strategy does
+    model, optimizer, _ = build(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), path)
+    fit(model, 4)
+    assert optimizer.refresh_owners(2) == owners and sorted(set(owners.values())) == [0, 1]
+    assert int(optimizer.iterations.numpy()) == 8
+    for got, want in zip(model.get_weights(), uninterrupted):
+        np.testing.assert_array_equal(got, want)

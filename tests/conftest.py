@@ -11,6 +11,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
+from helpers import two_cpu_mirrored_strategy  # noqa: E402
 
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
@@ -88,16 +89,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def two_cpu_strategy():
-    """MirroredStrategy over two logical CPUs (2 replicas), with collective keys of its own.
-
-    TensorFlow caches each collective instance (its shape) by group and instance
-    key for the whole process, and every MirroredStrategy starts from the same
-    keys, so without the bump a later strategy's all-reduce can be matched
-    against a shape left by an earlier test ("Shape mismatch in the collective
-    instance").
-    """
-    tf.distribute.MirroredStrategy._collective_key_base += 1000
-    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    """MirroredStrategy over two logical CPUs (:func:`helpers.two_cpu_mirrored_strategy`)."""
+    return two_cpu_mirrored_strategy()
 
 
 @pytest.fixture(autouse=True)

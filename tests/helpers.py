@@ -11,8 +11,22 @@ import venv
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def two_cpu_mirrored_strategy():
+    """MirroredStrategy over two logical CPUs (2 replicas), with collective keys of its own.
+
+    TensorFlow caches each collective instance (its shape) by group and instance
+    key for the whole process, and every MirroredStrategy starts from the same
+    keys, so without the bump a later strategy's all-reduce can be matched
+    against a shape left by an earlier test ("Shape mismatch in the collective
+    instance").
+    """
+    tf.distribute.MirroredStrategy._collective_key_base += 1000
+    return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
 def benchmark_module(name):

@@ -3,7 +3,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import curvature_variables
+from helpers import curvature_variables, two_cpu_mirrored_strategy
 from test_thor_training import assert_weights_close, mixed_data, mixed_model
 
 import tf_msopt as mso
@@ -149,9 +149,8 @@ def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monke
         return tf.py_function(lambda value: gathers.append(1) or value, [gathered],
                               gathered.dtype)
     monkeypatch.setattr(curvature_estimator, "gather_device_values", counted_gather)
-    tf.distribute.MirroredStrategy._collective_key_base += 1000  # as two_cpu_strategy does
-    divided, optimizer, shared = train_deep(tf.distribute.MirroredStrategy(
-        ["/cpu:0", "/cpu:1"]), monkeypatch, False, preset)
+    divided, optimizer, shared = train_deep(two_cpu_mirrored_strategy(), monkeypatch, False,
+                                            preset)
     for got, want in zip(divided, undivided):
         np.testing.assert_array_equal(got, want)
     # Refreshes at steps 0, 3 and 6; with "kept" only the first changes a basis.
@@ -175,7 +174,6 @@ def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monke
                                         "g_eigenvectors"):
         first, second = (v.numpy() for v in variable.value.values)
         np.testing.assert_array_equal(first, second)
-
 
 
 def test_divided_refresh_resumes_exactly(two_cpu_strategy, tmp_path):
@@ -207,8 +205,7 @@ def test_divided_refresh_resumes_exactly(two_cpu_strategy, tmp_path):
     fit(model, 4)
     uninterrupted, owners = model.get_weights(), optimizer.refresh_owners(2)
     keras.backend.clear_session()
-    tf.distribute.MirroredStrategy._collective_key_base += 1000  # as two_cpu_strategy does
-    model, optimizer, _ = build(tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"]), path)
+    model, optimizer, _ = build(two_cpu_mirrored_strategy(), path)
     fit(model, 4)
     assert optimizer.refresh_owners(2) == owners and sorted(set(owners.values())) == [0, 1]
     assert int(optimizer.iterations.numpy()) == 8

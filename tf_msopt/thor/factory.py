@@ -2,7 +2,8 @@
 
 ``tf_msopt.thor(model)`` with no hyper-parameters is the default, one configuration for
 every model kind (:data:`DEFAULTS`): Adam run in the eigenbases of THOR's Kronecker factors
-(SOAP's direction; on convolutions the second moment's power is 0.75, not Adam's 1/2),
+(SOAP's direction; the second moment's power is 0.75 on convolutions and 0.6 on recurrent
+kernels, not Adam's 1/2),
 each step grafted to Adam's length (a learning rate that means what it means to Adam) and
 scaled down by the KL clip where it would move the model too far, the factors' moving
 averages over steps (from at least 512 rows of each batch), a refresh every 10 steps
@@ -25,7 +26,7 @@ _OWNER = "THOR"
 DEFAULTS = {"learning_rate": 5e-3, "damping": None, "momentum": 0.9, "frequency": 10,
             "graft": "adam", "preconditioner": "eigenbasis",
             "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
-            "eigenbasis_exponent": {"conv": 0.75}, "eigenbasis_tolerance": 0.01,
+            "eigenbasis_exponent": {"conv": 0.75, "recurrent": 0.6}, "eigenbasis_tolerance": 0.01,
             "statistics_rows": 512, "cautious": "sequence"}
 _MINDSPORE = {"frequency": 100, "block_size": 128}
 _PRESETS = ("default", "mindspore")

@@ -236,7 +236,7 @@ THOR_GRIDS = {
                    "transformer": [((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
                                    ((0.02,), (0.03, 0.1, 0.3))],
                    "charlm": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
-                   "rnn": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3)),
+                   "rnn": ((0.002, 0.005, 0.01, 0.02, 0.05), (0.03, 0.1, 0.3, 1.0)),
                    "autoencoder": ((0.002, 0.005, 0.01), (0.03, 0.1, 0.3))},
 }
 # The grids of mnist_mlp and charlm (THOR's, kfac-jax's and the first-order rates) start
@@ -294,7 +294,7 @@ FIRST_ORDER_RATES = {  # nine learning rates per optimizer and task
              "transformer": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
              "mnist_mlp": (5e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2),
              "charlm": (3e-4, 5e-4, 7e-4, 1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2),
-             "rnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
+             "rnn": (2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2, 5e-2),
              "autoencoder": (2e-4, 3e-4, 5e-4, 7e-4, 1e-3, 1.5e-3, 2e-3, 3e-3, 5e-3)},
     "Muon": {"mlp": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
              "cnn": (1e-3, 2e-3, 3e-3, 5e-3, 7e-3, 1e-2, 1.5e-2, 2e-2, 3e-2),
@@ -771,6 +771,9 @@ def kfac_jax_runs(task, target, block="tuned"):
         return []
     if task not in kfac_jax_baseline.MODELS:
         print(f"kfac-jax not run: kfac_jax_baseline has no {task!r} model")
+        return []
+    if block == "tuned" and task not in KFAC_JAX_GRIDS:
+        print(f"kfac-jax not run: KFAC_JAX_GRIDS has no {task!r} grid")
         return []
     if block == "defaults":
         return [("adaptive", {}, lambda data, initial, epochs, batch, seed:

@@ -35,6 +35,14 @@ written as plain JAX functions:
   reshaped to 4-D when the parameters are created, not inside the network:
   kfac-jax's graph matcher only recognises a convolution applied to a parameter
   as it is (reshaped inside, the convolutions were left out of its blocks).
+* autoencoder: 784 pixels -> Dense(1000, tanh) -> Dense(500, tanh) -> Dense(250, tanh) ->
+  Dense(30) (the linear code) -> Dense(250, tanh) -> Dense(500, tanh) -> Dense(1000, tanh)
+  -> Dense(784) (``convergence.make_mnist_autoencoder``); the output sigmoid is folded into
+  the loss, registered with ``kfac_jax.register_sigmoid_cross_entropy_loss``. As in
+  kfac-jax's own MNIST autoencoder example, the training loss sums the pixels' binary
+  cross-entropies (the form that registration assumes) and averages over the batch; the
+  validation loss is Keras' ``binary_crossentropy``, the mean over the pixels, so it reads
+  as convergence.py's.
 * transformer: (40, 1) sequences -> Conv1D(32, 4, stride 2) tokens + learned
   positions (20, 32) -> LayerNormalization -> MultiHeadAttention (2 heads of 16),
   residual -> LayerNormalization -> Dense(64, gelu) -> Dense(32), residual ->
@@ -115,17 +123,29 @@ import kfac_jax
 import numpy as np
 from targets import reaches
 
-__all__ = ["MODELS", "logits", "params_from_keras", "train_kfac_jax"]
+__all__ = ["ADAPTIVE_OPTIONS", "MODELS", "logits", "params_from_keras", "predictions",
+           "train_kfac_jax"]
 
-MODELS = ("mlp", "cnn", "mnist1d", "transformer", "mnist_mlp")
+MODELS = ("mlp", "cnn", "mnist1d", "transformer", "mnist_mlp", "autoencoder")
 MOMENTUM = 0.9
 # kfac-jax's adaptive mode needs a first damping and documents none; Martens & Grosse
 # (2015) start far higher (150) on autoencoders, where the curvature is larger.
 INITIAL_DAMPING = 1.0
+# The adaptive mode's settings of kfac-jax's own MNIST autoencoder example (its pipeline's
+# kfac options), where they differ from this module's: its curvature_ema 0.95 is already
+# kfac-jax's default. Its full batch, burn-in steps and L2 term of 1e-5 are left out: every
+# optimizer here sees the same batches of 64 and the same loss.
+ADAPTIVE_OPTIONS = {"autoencoder": {"initial_damping": 150.0, "inverse_update_period": 5,
+                                    "damping_adaptation_decay": 0.95, "min_damping": 1e-5,
+                                    "max_damping": 1000.0}}
 # Strides of the leading convolutions of each model (Conv2D for cnn, Conv1D for mnist1d)
 # and the number of Dense layers after them.
-_CONV_STRIDES = {"mlp": (), "mnist_mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2)}
-_DENSE_LAYERS = {"mlp": 3, "mnist_mlp": 3, "cnn": 2, "mnist1d": 2}
+_CONV_STRIDES = {"mlp": (), "mnist_mlp": (), "cnn": (1, 2), "mnist1d": (1, 2, 2),
+                 "autoencoder": ()}
+_DENSE_LAYERS = {"mlp": 3, "mnist_mlp": 3, "cnn": 2, "mnist1d": 2, "autoencoder": 8}
+# Activations of the hidden Dense layers where they are not all ReLU.
+_HIDDEN_ACTIVATIONS = {"autoencoder": (jnp.tanh,) * 3 + (lambda x: x,) + (jnp.tanh,) * 3}
+_FLAT_INPUTS = ("mlp", "mnist_mlp", "autoencoder")
 # get_weights() of convergence.make_mnist1d_transformer, in order.
 _TRANSFORMER_WEIGHTS = (
     "conv_kernel", "conv_bias", "position", "norm1_gamma", "norm1_beta",
@@ -216,28 +236,47 @@ def logits(params, x, kind):
         x = jax.nn.relu(x + bias[None, None, None])
     x = x.reshape(x.shape[0], -1)        # Keras' Flatten of NHWC / NWC: row-major
     *hidden, (kernel, bias) = params[len(strides):]
-    for w, b in hidden:
-        x = jax.nn.relu(x @ w + b)
+    activations = _HIDDEN_ACTIVATIONS.get(kind, (jax.nn.relu,) * len(hidden))
+    for (w, b), activation in zip(hidden, activations):
+        x = activation(x @ w + b)
     return x @ kernel + bias
+
+
+def predictions(params, x, kind):
+    """The Keras model's output: softmax of the logits, or for the autoencoder sigmoid."""
+    scores = logits(params, x, kind)
+    return jax.nn.sigmoid(scores) if kind == "autoencoder" else jax.nn.softmax(scores)
+
+
+def _pixel_cross_entropies(scores, images):
+    """Binary cross-entropy of each pixel from its logit (the sigmoid folded in)."""
+    return jnp.maximum(scores, 0) - scores * images + jnp.log1p(jnp.exp(-jnp.abs(scores)))
 
 
 def _loss(params, batch, kind):
     x, y = batch
     scores = logits(params, x, kind)
+    if kind == "autoencoder":
+        kfac_jax.register_sigmoid_cross_entropy_loss(scores, y)
+        return jnp.mean(jnp.sum(_pixel_cross_entropies(scores, y), axis=1))
     kfac_jax.register_softmax_cross_entropy_loss(scores, y)
     log_probs = jax.nn.log_softmax(scores)
     return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
 
 
 @functools.partial(jax.jit, static_argnums=3)
-def _accuracy(params, x, y, kind):
-    return jnp.mean(jnp.argmax(logits(params, x, kind), axis=1) == y)
+def _validation(params, x, y, kind):
+    """The accuracy, or for the autoencoder Keras' binary cross-entropy (mean per pixel)."""
+    scores = logits(params, x, kind)
+    if kind == "autoencoder":
+        return jnp.mean(_pixel_cross_entropies(scores, y))
+    return jnp.mean(jnp.argmax(scores, axis=1) == y)
 
 
 def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learning_rate=None,
                    damping=None, momentum=MOMENTUM, inverse_update_period=None,
                    curvature_update_period=1, estimation_mode=None, norm_constraint=None,
-                   adaptive=False, initial_damping=INITIAL_DAMPING, target=None, verbose=0):
+                   adaptive=False, initial_damping=None, target=None, verbose=0):
     """Trains ``kind`` with ``kfac_jax.Optimizer``; returns the history.
 
     Args:
@@ -249,7 +288,8 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
         epochs, batch_size, seed: as for the Keras runs; ``epochs`` is the most run.
         learning_rate, damping, momentum: fixed for the whole run (not with ``adaptive``).
         inverse_update_period: steps between inverse refreshes; None gives
-            ``max(2, steps_per_epoch // 2)``, THOR's frequency in convergence.py.
+            ``max(2, steps_per_epoch // 2)``, THOR's frequency in convergence.py (in
+            the adaptive mode, the model's :data:`ADAPTIVE_OPTIONS` first).
         curvature_update_period: steps between curvature (factor) updates.
         estimation_mode: kfac-jax's curvature estimator; None is its default.
         norm_constraint: kfac-jax's bound on the update's approximate squared
@@ -257,25 +297,27 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
         adaptive: kfac-jax's adaptive mode (Martens & Grosse 2015): the learning rate and
             momentum that minimise the quadratic model at every step, and the damping
             adapted by Levenberg-Marquardt from the reduction ratio, starting at
-            ``initial_damping``.
+            ``initial_damping`` (None: the model's :data:`ADAPTIVE_OPTIONS`, else
+            :data:`INITIAL_DAMPING`), with the model's other :data:`ADAPTIVE_OPTIONS`.
         target: if given, training stops after the first epoch whose validation
-            accuracy reaches ``target`` (``targets.reaches``, as convergence.py's
-            ``StopAtTarget``).
+            accuracy (the autoencoder's loss) reaches ``target`` (``targets.reaches``,
+            as convergence.py's ``StopAtTarget``).
         verbose: 1 prints one line per epoch.
 
     Returns:
         ``{"val_accuracy": [...], "loss": [...], "epoch_seconds": [...],
-        "seconds": [...]}``, one entry per epoch run: validation accuracy, mean
-        training loss over the epoch's batches, the epoch's wall time (validation
-        included; the first epoch's includes JIT compilation, as Keras' ``fit``
-        includes tracing) and the sum of those up to the epoch.
+        "seconds": [...]}`` (``"val_loss"`` for the autoencoder), one entry per epoch
+        run: validation accuracy (loss), mean training loss over the epoch's batches, the
+        epoch's wall time (validation included; the first epoch's includes JIT
+        compilation, as Keras' ``fit`` includes tracing) and the sum of those up to the
+        epoch.
     """
     if kind not in MODELS:
         raise ValueError(f"unknown model {kind!r}; choose from {MODELS}")
     if not adaptive and (learning_rate is None or damping is None):
         raise ValueError("learning_rate and damping are needed unless adaptive=True")
     x_train, x_val, y_train, y_val = (np.asarray(a) for a in data)
-    if kind in ("mlp", "mnist_mlp"):
+    if kind in _FLAT_INPUTS:
         x_train, x_val = x_train.reshape(len(x_train), -1), x_val.reshape(len(x_val), -1)
     elif kind == "cnn" and x_train.ndim != 4:
         raise ValueError(f"{kind}: expected images (n, height, width, channels), "
@@ -284,15 +326,21 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
         raise ValueError(f"{kind}: expected sequences (n, length, channels), "
                          f"got x_train of shape {x_train.shape}")
     x_train, x_val = x_train.astype(np.float32), x_val.astype(np.float32)
-    y_train, y_val = y_train.astype(np.int32), y_val.astype(np.int32)
+    labels = np.float32 if kind == "autoencoder" else np.int32
+    y_train, y_val = y_train.astype(labels), y_val.astype(labels)
     expected = (len(_TRANSFORMER_WEIGHTS) if kind == "transformer"
                 else 2 * (len(_CONV_STRIDES[kind]) + _DENSE_LAYERS[kind]))
     if len(initial_weights) != expected:
         raise ValueError(f"initial_weights: expected the {expected} arrays of the {kind}'s "
                          f"get_weights(), got {len(initial_weights)}")
     steps_per_epoch = -(-len(x_train) // batch_size)
-    if inverse_update_period is None:
-        inverse_update_period = max(2, steps_per_epoch // 2)
+    options = dict(ADAPTIVE_OPTIONS.get(kind, {})) if adaptive else {}
+    kind_damping = options.pop("initial_damping", INITIAL_DAMPING)
+    initial_damping = kind_damping if initial_damping is None else initial_damping
+    options.setdefault("inverse_update_period", max(2, steps_per_epoch // 2))
+    if inverse_update_period is not None:
+        options["inverse_update_period"] = inverse_update_period
+    metric = "val_loss" if kind == "autoencoder" else "val_accuracy"
 
     params = params_from_keras(kind, initial_weights)
     x_val_j, y_val_j = jnp.asarray(x_val), jnp.asarray(y_val)
@@ -306,9 +354,9 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
         norm_constraint=norm_constraint,
         num_burnin_steps=0,
         curvature_update_period=curvature_update_period,
-        inverse_update_period=inverse_update_period,
         estimation_mode=estimation_mode,
         multi_device=False,
+        **options,
     )
     rng = jax.random.PRNGKey(seed)
     rng, init_rng = jax.random.split(rng)
@@ -318,7 +366,7 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
                                  "damping": jnp.asarray(damping, jnp.float32)}
 
     state = None
-    history = {"val_accuracy": [], "loss": [], "epoch_seconds": [], "seconds": []}
+    history = {metric: [], "loss": [], "epoch_seconds": [], "seconds": []}
     for epoch in range(epochs):
         start = time.perf_counter()
         order = order_rng.permutation(len(x_train))
@@ -332,13 +380,13 @@ def train_kfac_jax(kind, data, initial_weights, epochs, batch_size, seed, learni
             params, state, stats = optimizer.step(params, state, step_rng, batch=batch, **hyper)
             loss_sum += float(stats["loss"]) * len(rows)
         history["loss"].append(loss_sum / len(x_train))
-        history["val_accuracy"].append(float(_accuracy(params, x_val_j, y_val_j, kind)))
+        history[metric].append(float(_validation(params, x_val_j, y_val_j, kind)))
         history["epoch_seconds"].append(time.perf_counter() - start)
         history["seconds"].append(sum(history["epoch_seconds"]))
         if verbose:
             print(f"epoch {epoch + 1}: loss {history['loss'][-1]:.4f} "
-                  f"val_accuracy {history['val_accuracy'][-1]:.4f} "
+                  f"{metric} {history[metric][-1]:.4f} "
                   f"{history['seconds'][-1]:.2f}s", flush=True)
-        if target is not None and reaches(history["val_accuracy"][-1], target):
+        if target is not None and reaches(history[metric][-1], target, metric):
             break
     return history

@@ -121,6 +121,7 @@ import jax
 import jax.numpy as jnp
 import kfac_jax
 import numpy as np
+import optax
 from targets import reaches
 
 __all__ = ["ADAPTIVE_OPTIONS", "MODELS", "logits", "params_from_keras", "predictions",
@@ -248,17 +249,12 @@ def predictions(params, x, kind):
     return jax.nn.sigmoid(scores) if kind == "autoencoder" else jax.nn.softmax(scores)
 
 
-def _pixel_cross_entropies(scores, images):
-    """Binary cross-entropy of each pixel from its logit (the sigmoid folded in)."""
-    return jnp.maximum(scores, 0) - scores * images + jnp.log1p(jnp.exp(-jnp.abs(scores)))
-
-
 def _loss(params, batch, kind):
     x, y = batch
     scores = logits(params, x, kind)
     if kind == "autoencoder":
         kfac_jax.register_sigmoid_cross_entropy_loss(scores, y)
-        return jnp.mean(jnp.sum(_pixel_cross_entropies(scores, y), axis=1))
+        return jnp.mean(jnp.sum(optax.sigmoid_binary_cross_entropy(scores, y), axis=1))
     kfac_jax.register_softmax_cross_entropy_loss(scores, y)
     log_probs = jax.nn.log_softmax(scores)
     return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=1))
@@ -269,7 +265,7 @@ def _validation(params, x, y, kind):
     """The accuracy, or for the autoencoder Keras' binary cross-entropy (mean per pixel)."""
     scores = logits(params, x, kind)
     if kind == "autoencoder":
-        return jnp.mean(_pixel_cross_entropies(scores, y))
+        return jnp.mean(optax.sigmoid_binary_cross_entropy(scores, y))
     return jnp.mean(jnp.argmax(scores, axis=1) == y)
 
 

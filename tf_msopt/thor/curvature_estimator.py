@@ -135,9 +135,10 @@ class CurvatureEstimator:
         return {layer.block.name: tuple(int(n) for n in layer.trace_decisions.numpy())
                 for layer in self.layers if layer.trace_decisions is not None}
 
-    def step(self, layer, gradient, step):
-        """The preconditioner's step on the kernel ``gradient`` of ``layer`` at ``step``."""
-        return self.preconditioner.step(layer, gradient, step, self._assign)
+    def step(self, layer, gradient, correction):
+        """The preconditioner's step on the kernel ``gradient`` of ``layer`` (``correction``:
+        Adam's bias correction at this step, for a preconditioner with second moments)."""
+        return self.preconditioner.step(layer, gradient, correction, self._assign)
 
     # --- the update
 

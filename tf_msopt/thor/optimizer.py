@@ -18,7 +18,7 @@ from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning, from_c
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator
 from tf_msopt.thor.execution import on_each_device
 from tf_msopt.thor.experimental import split_experimental
-from tf_msopt.thor.grafting import AdamGraft
+from tf_msopt.thor.grafting import AdamGraft, bias_correction
 from tf_msopt.thor.loss_scale_link import LossScaleLink
 from tf_msopt.thor.model_link import ModelLink
 from tf_msopt.thor.options import ThorOptions, check_keras_arguments
@@ -232,8 +232,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         options = self.options
         factored = block is not None and block.has_factors
         if factored:
-            precondition = functools.partial(self._estimator.step,
-                                             self.curvature[block.name], step=self.iterations)
+            precondition = functools.partial(self._estimator.step, self.curvature[block.name])
         elif block is not None and self._graft is None:   # Adam's step replaces the rule
             precondition = functools.partial(self._layer_rule, block)
         else:
@@ -247,7 +246,8 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
                       and block.name in projections),
             assign=self.assign, assign_sub=self.assign_sub)
 
-    def _layer_rule(self, block, gradient):
+    def _layer_rule(self, block, gradient, correction):
+        del correction  # MindSpore's rule keeps no second moment
         state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
                                 root_damping=self._root_damping())
         return block.precondition(gradient, state, self.options.block_size)
@@ -284,18 +284,19 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         self._estimator.update(distribution, local, root_damping, g_scale,
                                self._is_statistics_step())
 
-    def _direction(self, gradient, update):
+    def _direction(self, gradient, update, correction):
         """The variable's direction before the modifiers: preconditioned, grafted to Adam's
-        length with ``graft``."""
+        length with ``graft`` (``correction``: Adam's bias correction at this step)."""
         gradient = tf.cast(gradient, tf.float32)
         if self.options.loss_scale != 1.0:
             gradient = gradient / self.options.loss_scale
-        direction = gradient if update.precondition is None else update.precondition(gradient)
+        direction = (gradient if update.precondition is None
+                     else update.precondition(gradient, correction))
         if self._graft is None:
             return gradient, direction
         return gradient, self._graft.direction(update.graft_moment, gradient,
                                                direction if update.factored else None,
-                                               self.iterations)
+                                               correction)
 
     def _apply(self, direction, variable, update, learning_rate):
         direction = tf.cast(direction, variable.dtype)
@@ -305,7 +306,8 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         update = self._updates[compat.variable_index(self, variable)]
-        self._apply(self._direction(gradient, update)[1], variable, update, learning_rate)
+        direction = self._direction(gradient, update, bias_correction(self.iterations))[1]
+        self._apply(direction, variable, update, learning_rate)
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):
         if self._kl_clip is None:
@@ -329,10 +331,10 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
     def _clipped_update(self, kl_factor, grads_and_vars, learning_rate):
         """Every variable's direction, the factored ones scaled by the KL clip's ``nu``,
         then every update."""
-        planned = []
+        planned, correction = [], bias_correction(self.iterations)
         for gradient, variable in grads_and_vars:
             update = self._updates[compat.variable_index(self, variable)]
-            planned.append((variable, update, *self._direction(gradient, update)))
+            planned.append((variable, update, *self._direction(gradient, update, correction)))
         products = [tf.reduce_sum(gradient * direction)
                     for _, update, gradient, direction in planned if update.factored]
         nu = self._kl_clip(products, learning_rate, kl_factor) if products else None

@@ -95,7 +95,7 @@ class InversePreconditioner:
             assign(layer.g_inverse, next(inverses))
         return retried, kept, tf.reduce_any(use)
 
-    def step(self, layer, gradient, step, assign):
+    def step(self, layer, gradient, correction, assign):
         a_inverse = tf.convert_to_tensor(layer.a_inverse) if self.precondition_inputs else None
         return layer.block.precondition(gradient, Preconditioning(
             a_inverse=a_inverse, g_inverse=tf.convert_to_tensor(layer.g_inverse)),
@@ -232,25 +232,25 @@ class EigenbasisPreconditioner:
             return tf.constant(False)
         return tf.convert_to_tensor(layer.count) < self.filled
 
-    def step(self, layer, gradient, step, assign):
+    def step(self, layer, gradient, correction, assign):
         """Adam's step without its first moment on ``gradient`` rotated into the eigenbases,
-        ``Q_A^T g Q_G``, rotated back."""
+        ``Q_A^T g Q_G``, rotated back (``correction``: Adam's bias correction, this step's)."""
         a, g = (None if vectors is None else tf.convert_to_tensor(vectors)
                 for vectors in (layer.a_eigenvectors, layer.g_eigenvectors))
         rotated = layer.block.precondition(gradient, Preconditioning(
             a_inverse=a, g_inverse=g, transpose_a=True), self.block_size)
-        scaled = self._scaled(layer.rotated_second_moment, rotated, step, assign,
+        scaled = self._scaled(layer.rotated_second_moment, rotated, correction, assign,
                               self.exponent_of(layer.block.kind))
         return layer.block.precondition(scaled, Preconditioning(
             a_inverse=a, g_inverse=g, transpose_g=True), self.block_size)
 
     @staticmethod
-    def _scaled(moment, rotated, step, assign, exponent):
+    def _scaled(moment, rotated, correction, assign, exponent):
         """Adam's ``r / (sqrt(v_hat) + eps)`` at exponent 1/2, else ``r / (v_hat + 1e-2
         mean(v_hat))^e``."""
         if exponent == ADAM_EXPONENT:
-            return adam_step(moment, rotated, step, assign)
-        estimate = second_moment(moment, rotated, step, assign)
+            return adam_step(moment, rotated, correction, assign)
+        estimate = second_moment(moment, rotated, correction, assign)
         return tf.math.divide_no_nan(rotated, tf.pow(
             estimate + EIGENBASIS_DAMPING * tf.reduce_mean(estimate), exponent))
 

@@ -96,8 +96,9 @@ class VariableUpdate:
     """How THOR updates one trainable variable (planned once, on its first step).
 
     Attributes:
-        precondition: ``gradient -> direction`` (the preconditioner's step for a factored
-            kernel, the LayerNorm rule), or None for the gradient itself.
+        precondition: ``(gradient, correction) -> direction`` (the preconditioner's step for
+            a factored kernel, the LayerNorm rule; ``correction`` is Adam's bias correction at
+            this step), or None for the gradient itself.
         factored: whether it is a Kronecker-factored kernel (the KL clip and the graft read
             its preconditioned direction).
         velocity: its momentum slot.

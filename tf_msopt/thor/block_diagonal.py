@@ -66,7 +66,7 @@ def _split(matrix, layout, axis):
 def _unstack(blocks, layout):
     """``[count, size, size]`` -> the list of blocks, the last one without its padding."""
     if layout.count == 1:
-        return [blocks[0]]
+        return [tf.squeeze(blocks, 0)]
     blocks = tf.unstack(blocks, num=layout.count)
     if layout.padding:
         last = layout.size - layout.padding

@@ -36,8 +36,10 @@ def second_moment(moment, gradient, correction, assign):
     """Adam's bias-corrected second moment ``v / correction`` of ``gradient`` (``correction``
     from :func:`bias_correction`), updating ``v = beta2*v + (1-beta2)*g^2`` held in the
     variable ``moment`` (any shape with ``gradient``'s size) with ``assign``."""
-    value = BETA2 * tf.reshape(moment, tf.shape(gradient)) + (1.0 - BETA2) * tf.square(gradient)
-    assign(moment, tf.reshape(value, moment.shape))
+    reshaped = moment.shape != gradient.shape     # (the flat moment of a rotated gradient)
+    previous = tf.reshape(moment, tf.shape(gradient)) if reshaped else moment
+    value = BETA2 * previous + (1.0 - BETA2) * tf.square(gradient)
+    assign(moment, tf.reshape(value, moment.shape) if reshaped else value)
     return value / correction
 
 

@@ -211,7 +211,8 @@ class EigenbasisPreconditioner:
                 # the refresh's cost, and a factor that barely moved would return it.
                 drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
                 decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
-            use = tf.repeat(decompose, layout.count)     # per block
+            # Per block (tf.repeat would add a score of operations to each group's trace).
+            use = tf.reshape(tf.tile(decompose[:, None], [1, layout.count]), [-1])
             decomposed.append(tf.reduce_any(decompose))
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)

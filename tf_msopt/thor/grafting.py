@@ -25,10 +25,8 @@ EPSILON = 1e-7     # Keras' Adam's
 
 
 def bias_correction(step):
-    """Adam's ``1 - beta2^t`` at ``step`` (0 for the first, ``t = step + 1``). A step computes
-    it once for all its variables: tracing and optimising THOR's train step is much of its
-    first epoch's cost, and per variable these operations were 6% of the language model's
-    graph."""
+    """Adam's ``1 - beta2^t`` at ``step`` (0 for the first, ``t = step + 1``), computed once
+    per step for all variables: the train step's graph size is part of THOR's first epoch."""
     return 1.0 - tf.pow(BETA2, tf.cast(step, tf.float32) + 1.0)
 
 

@@ -298,6 +298,13 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
                                                direction if update.factored else None,
                                                correction)
 
+    def _bias_correction(self):
+        """Adam's bias correction at this step for the graft's and the eigenbasis's second
+        moments; None where THOR keeps neither (MindSpore's form), so its trace has none."""
+        if self._graft is None and self.options.preconditioner != "eigenbasis":
+            return None
+        return bias_correction(self.iterations)
+
     def _apply(self, direction, variable, update, learning_rate):
         direction = tf.cast(direction, variable.dtype)
         for modify in update.modifiers:
@@ -306,7 +313,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
 
     def _update(self, gradient, variable, learning_rate):
         update = self._updates[compat.variable_index(self, variable)]
-        direction = self._direction(gradient, update, bias_correction(self.iterations))[1]
+        direction = self._direction(gradient, update, self._bias_correction())[1]
         self._apply(direction, variable, update, learning_rate)
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):
@@ -331,7 +338,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
     def _clipped_update(self, kl_factor, grads_and_vars, learning_rate):
         """Every variable's direction, the factored ones scaled by the KL clip's ``nu``,
         then every update."""
-        planned, correction = [], bias_correction(self.iterations)
+        planned, correction = [], self._bias_correction()
         for gradient, variable in grads_and_vars:
             update = self._updates[compat.variable_index(self, variable)]
             planned.append((variable, update, *self._direction(gradient, update, correction)))

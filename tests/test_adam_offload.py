@@ -1,6 +1,7 @@
 """AdamOffload: MindSpore's golden values, the host kernel against its pure-TF path,
 groups, arguments. Training, placement, distribution and saving: test_adam_offload_training."""
 import contextlib
+import functools
 
 import keras
 import numpy as np
@@ -675,6 +676,15 @@ def run_compact_grouped_steps(backend, monkeypatch, state_dtype, in_place, use_n
     return [x.numpy() for x in (weights if in_place else deltas)], stored, ops
 
 
+@functools.cache
+def pure_tf_compact_grouped_steps(state_dtype, in_place, use_nesterov):
+    """:func:`run_compact_grouped_steps` on the pure-TF path, which no instruction-set cap
+    reaches: run once per form in a test process, not once per cap."""
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        return run_compact_grouped_steps("pure_tf", monkeypatch, state_dtype, in_place,
+                                         use_nesterov)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
 @pytest.mark.parametrize("in_place", [False, True])
@@ -688,8 +698,8 @@ def test_compact_kernel_and_pure_tf_store_the_same_bits(state_dtype, in_place, u
     cap_isa(monkeypatch, isa)
     got, got_state, ops = run_compact_grouped_steps("kernel", monkeypatch, state_dtype,
                                                     in_place, use_nesterov)
-    want, want_state, plain_ops = run_compact_grouped_steps("pure_tf", monkeypatch,
-                                                            state_dtype, in_place, use_nesterov)
+    want, want_state, plain_ops = pure_tf_compact_grouped_steps(state_dtype, in_place,
+                                                                use_nesterov)
     kind = "MsOptAdamOffloadCompact" + ("Updates" if in_place else "Deltas")
     assert kind in ops and not any(name.startswith("MsOpt") for name in plain_ops)
     for got_entry, want_entry in zip(got_state, want_state):

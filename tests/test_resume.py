@@ -1,7 +1,11 @@
 """Crash recovery: a training process killed with SIGKILL mid-epoch and started again resumes
 from its last checkpoint with every optimizer state and ends with the weights of a run that was
 never killed. `fit` uses keras.callbacks.BackupAndRestore (saved each epoch); the
-custom loop is examples/multi_worker.py with its tf.train.CheckpointManager (every 5 steps)."""
+custom loop is examples/multi_worker.py with its tf.train.CheckpointManager (every 5 steps).
+
+The optimizers of each mode run as a chain of processes, one start-up per process (most of
+this test's time): each process resumes the run its predecessor left killed, trains that
+optimizer again never interrupted, then starts the next optimizer's run and dies in it."""
 import json
 import os
 import signal
@@ -23,7 +27,7 @@ sys.path.insert(0, "examples")
 import keras, tensorflow as tf
 import multi_worker
 
-mode, name, loss_scale, runs = json.loads(sys.argv[1])
+mode, runs = json.loads(sys.argv[1])
 
 
 def crash():
@@ -47,7 +51,7 @@ class KillMidEpoch(keras.callbacks.Callback):
             crash()
 
 
-def train(directory, kill):
+def train(name, loss_scale, directory, kill):
     if mode == "fit":
         x, y = multi_worker.make_data()
         model = multi_worker.make_model()
@@ -69,47 +73,56 @@ def train(directory, kill):
         checkpoint_dir=directory, save_every=5, after_step=after_step)
 
 
-# Several runs in one process (each from a fresh model) save the start-up of one per run.
-for directory, kill in runs:
+for name, loss_scale, directory, kill in runs:   # each from a fresh model
     steps_run.clear()
-    model = train(directory, kill)
+    model = train(name, loss_scale, directory, kill)
+    # Flushed: the next run may kill the process.
     print(json.dumps({"steps_run": len(steps_run),
-                      "weights": [w.tolist() for w in model.get_weights()]}))
+                      "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
     keras.backend.clear_session()
 """ % {"epochs": EPOCHS, "steps": LOOP_STEPS}
 
 
-def _run(mode, name, loss_scale, runs):
-    """Runs ``[(checkpoint directory or None, kill)]`` in order in one fresh process; returns
-    ``(steps trained, weights)`` per run (none when it is killed)."""
+#: Per mode, the optimizers (name, loss scaling) that its chain of processes kills and resumes.
+CHAINS = {"fit": [("thor", False), ("adam_offload", True), ("addsign", True)],
+          "loop": [("thor", True), ("adam_offload", False), ("lars", False)]}
+
+
+def _run(mode, runs):
+    """Runs ``[(name, loss scaling, checkpoint directory or None, kill)]`` in order in one
+    fresh process; returns ``(steps trained, weights)`` per run that was not killed (only
+    the last run may kill the process)."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     env.pop("TF_CONFIG", None)
     result = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(DRIVER), json.dumps([mode, name, loss_scale, runs])],
+        [sys.executable, "-c", textwrap.dedent(DRIVER), json.dumps([mode, runs])],
         capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT)
-    if any(kill for _, kill in runs):
-        assert result.returncode == -signal.SIGKILL, result.stderr[-3000:]
-        return None
-    assert result.returncode == 0, result.stderr[-3000:]
+    killed = runs[-1][-1]
+    assert result.returncode == (-signal.SIGKILL if killed else 0), result.stderr[-3000:]
     outputs = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert len(outputs) == len(runs), result.stdout[-3000:]
+    assert len(outputs) == len(runs) - killed, result.stdout[-3000:]
     return [(out["steps_run"], [np.asarray(w) for w in out["weights"]]) for out in outputs]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode, name, loss_scale", [
-    ("fit", "thor", False), ("fit", "adam_offload", True),
-    ("loop", "thor", True), ("loop", "adam_offload", False),
-    ("fit", "addsign", True), ("loop", "lars", False),
-])
-def test_killed_run_resumes_to_the_uninterrupted_weights(mode, name, loss_scale, tmp_path):
-    directory = str(tmp_path / "backup")
-    _run(mode, name, loss_scale, [(directory, True)])
-    assert os.listdir(directory), "the killed run left no checkpoint to resume from"
-    # Resumed, then (same process, new model) never interrupted.
-    (resumed_steps, resumed), (all_steps, uninterrupted) = _run(
-        mode, name, loss_scale, [(directory, False), (None, False)])
-    # fit resumes at the start of epoch 1 (saved at the end of epoch 0); the loop at step 10.
-    assert (all_steps, resumed_steps) == ((96, 64) if mode == "fit" else (20, 10))
-    for got, want in zip(resumed, uninterrupted):
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+@pytest.mark.parametrize("mode", CHAINS)
+def test_killed_runs_resume_to_the_uninterrupted_weights(mode, tmp_path):
+    chain = CHAINS[mode]
+    directories = [str(tmp_path / f"{name}-{loss_scale}") for name, loss_scale in chain]
+    for i in range(len(chain) + 1):
+        runs = [] if i == 0 else [(*chain[i - 1], directories[i - 1], False),  # resumed
+                                  (*chain[i - 1], None, False)]               # never killed
+        runs += [(*chain[i], directories[i], True)] if i < len(chain) else []
+        outputs = _run(mode, runs)
+        if i < len(chain):
+            assert os.listdir(directories[i]), f"the killed {chain[i]} run left no checkpoint"
+        if i == 0:
+            continue
+        (resumed_steps, resumed), (all_steps, uninterrupted) = outputs
+        # fit resumes at the start of epoch 1 (saved at the end of epoch 0); the loop at
+        # step 10.
+        assert (all_steps, resumed_steps) == ((96, 64) if mode == "fit" else (20, 10)), \
+            chain[i - 1]
+        for got, want in zip(resumed, uninterrupted):
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7,
+                                       err_msg=str(chain[i - 1]))

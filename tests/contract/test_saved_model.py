@@ -7,7 +7,7 @@
   Fisher, and through ``keras.export.ExportArchive``.
 - Training: a ``tf.Module`` holding the model, the optimizer and a traced train step saves,
   loads in a fresh process after ``import tf_msopt`` alone, and trains on as the in-memory
-  object does.
+  object does; THOR with the sampled Fisher too.
 
 Each form runs every case in one fresh process (one TensorFlow start). Both op paths run the
 training forms (marked ``ops_path``); an inference graph holds no optimizer op.
@@ -122,10 +122,9 @@ TRAIN_CODE = """
 import json
 import numpy as np, tensorflow as tf
 import tf_msopt  # registers the ops the saved steps use
-data = np.load({data!r})
 results = {{}}
-for name, path in {paths!r}.items():
-    loaded = tf.saved_model.load(path)
+for name, (path, data) in {paths!r}.items():
+    loaded, data = tf.saved_model.load(path), np.load(data)
     for x, y in zip(data["x"], data["y"]):
         loaded.step(tf.constant(x), tf.constant(y))
     results[name] = [w.numpy().tolist() for w in loaded.weights]
@@ -133,37 +132,10 @@ print(json.dumps(results))
 """
 
 
-@pytest.mark.ops_path
-def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
-    batches = C.batches(BEFORE + AFTER)
-    after = batches[BEFORE:]
-    np.savez(tmp_path / "data.npz", x=np.stack([x for x, _ in after]),
-             y=np.stack([y for _, y in after]))
-    paths, want = {}, {}
-    for name in C.CASES:
-        model = C.mlp()
-        optimizer = C.make(name, model)
-        module = _training_module(model, optimizer, _loop_step(model, optimizer),
-                                  tf.TensorSpec((BATCH, 2), tf.float32))
-        for x, y in batches[:BEFORE]:
-            module.step(x, y)
-        paths[name] = str(tmp_path / name)
-        tf.saved_model.save(module, paths[name])
-        for x, y in after:
-            module.step(x, y)
-        want[name] = C.weights(model)
-
-    got = run_fresh_python(TRAIN_CODE.format(data=str(tmp_path / "data.npz"), paths=paths),
-                           timeout=600)
-    for name, weights in want.items():
-        for g, w in zip(got[name], weights):
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=name)
-
-
-@pytest.mark.ops_path
-def test_training_savedmodel_with_the_sampled_fisher(tmp_path):
-    """THOR's sampled Fisher draws the same labels in the loaded step (its key is the step
-    and the seed, both restored)."""
+def _sampled_fisher_module(directory):
+    """THOR with the sampled Fisher, saved at a stale step: its loaded step must draw the
+    labels the in-memory one draws (their key is the step and the seed, both restored).
+    Returns ``(saved path, data path of the steps after it, weights after them)``."""
     x, y = C.data(BATCH * (BEFORE + AFTER))
     labels = _class_labels(y)
     loss = keras.losses.SparseCategoricalCrossentropy()
@@ -181,12 +153,37 @@ def test_training_savedmodel_with_the_sampled_fisher(tmp_path):
     chunks = [(x[i:i + BATCH], labels[i:i + BATCH]) for i in range(0, len(x), BATCH)]
     for xb, yb in chunks[:BEFORE]:
         module.step(xb, yb)
-    tf.saved_model.save(module, str(tmp_path / "sampled"))
+    tf.saved_model.save(module, str(directory / "sampled"))
     for xb, yb in chunks[BEFORE:]:
         module.step(xb, yb)
-    np.savez(tmp_path / "data.npz", x=np.stack([c[0] for c in chunks[BEFORE:]]),
+    np.savez(directory / "sampled.npz", x=np.stack([c[0] for c in chunks[BEFORE:]]),
              y=np.stack([c[1] for c in chunks[BEFORE:]]))
-    got = run_fresh_python(TRAIN_CODE.format(data=str(tmp_path / "data.npz"),
-                                             paths={"sampled": str(tmp_path / "sampled")}))
-    for g, w in zip(got["sampled"], C.weights(model)):
-        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+    return str(directory / "sampled"), str(directory / "sampled.npz"), C.weights(model)
+
+
+@pytest.mark.ops_path
+def test_training_savedmodel_trains_on_after_import_tf_msopt(tmp_path):
+    batches = C.batches(BEFORE + AFTER)
+    after = batches[BEFORE:]
+    data = str(tmp_path / "data.npz")
+    np.savez(data, x=np.stack([x for x, _ in after]), y=np.stack([y for _, y in after]))
+    paths, want = {}, {}
+    for name in C.CASES:
+        model = C.mlp()
+        optimizer = C.make(name, model)
+        module = _training_module(model, optimizer, _loop_step(model, optimizer),
+                                  tf.TensorSpec((BATCH, 2), tf.float32))
+        for x, y in batches[:BEFORE]:
+            module.step(x, y)
+        paths[name] = (str(tmp_path / name), data)
+        tf.saved_model.save(module, paths[name][0])
+        for x, y in after:
+            module.step(x, y)
+        want[name] = C.weights(model)
+    path, sampled_data, want["thor_sampled"] = _sampled_fisher_module(tmp_path)
+    paths["thor_sampled"] = (path, sampled_data)
+
+    got = run_fresh_python(TRAIN_CODE.format(paths=paths), timeout=600)
+    for name, weights in want.items():
+        for g, w in zip(got[name], weights):
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7, err_msg=name)

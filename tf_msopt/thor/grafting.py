@@ -25,8 +25,10 @@ EPSILON = 1e-7     # Keras' Adam's
 
 
 def bias_correction(step):
-    """Adam's ``1 - beta2^t`` at ``step`` (0 for the first, ``t = step + 1``), computed once
-    per step for all variables: the train step's graph size is part of THOR's first epoch."""
+    """Adam's ``1 - beta2^t`` at ``step`` (0 for the first, ``t = step + 1``). With the KL
+    clip (the default), which plans every update together, THOR computes it once per step:
+    the train step's graph size is part of its first epoch. Without it, Keras' per-variable
+    updates compute it per variable."""
     return 1.0 - tf.pow(BETA2, tf.cast(step, tf.float32) + 1.0)
 
 

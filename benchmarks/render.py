@@ -591,6 +591,10 @@ def render_convergence_robustness(results):
             + _from_files(tasks, "robustness"))
 
 
+#: The heldout table's THOR cells where no tuned THOR setting reached the target.
+NO_TUNED_THOR = "none reached the target when tuned"
+
+
 def render_convergence_heldout(results):
     convergence, tasks = _tasks(results, ALL_TASKS, "heldout")
     show = convergence._show
@@ -611,8 +615,8 @@ def render_convergence_heldout(results):
             f"{show(found['default'])} "
             f"({_epochs(runs[convergence.DEFAULT_THOR]['default']['epochs'], show)})",
             f"{chosen['optimizer']} {chosen['setting']}: {show(chosen['tuned_epochs'])} there, "
-            f"{show(chosen['epochs'])} here" if chosen else "",
-            setting(best) if best else "",
+            f"{show(chosen['epochs'])} here" if chosen else NO_TUNED_THOR,
+            setting(best) if best else NO_TUNED_THOR,
             _x(found["default"] / best["epochs"]) if best and math.isfinite(best["epochs"])
             else "",
             setting(found["best_first_order"], False) if "best_first_order" in found else ""])

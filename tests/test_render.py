@@ -61,6 +61,22 @@ def test_a_grid_where_no_setting_reaches_the_target_has_no_best_setting(tmp_path
     assert "|  | Muon | lr=0.001 | 3, 3, 3 | 3 | 2, edge: lr |" in text
 
 
+def test_a_heldout_block_without_a_tuned_thor_setting_says_none_reached(tmp_path):
+    convergence = render._convergence()
+    results = tmp_path / "results"
+    results.mkdir()
+    never = {"epochs": [math.inf] * 3, "seconds": [math.inf] * 3}
+    _block_file(convergence, results / "convergence_mlp_heldout.json", "heldout",
+                {convergence.DEFAULT_THOR: {"default": never},
+                 "Muon": {"lr=0.001": {"epochs": [8, 7, 9], "seconds": [1.0] * 3}}},
+                tuned_best={"Muon": {"setting": "lr=0.001", "median_epochs": 7,
+                                     "median_seconds": 1.0}})
+    text = render.render_convergence_heldout(str(results))
+    none = "none reached the target when tuned"
+    assert (f"| digits MLP, accuracy 0.97 | - (-, -, -) | {none} | {none} |  | "
+            f"Muon lr=0.001: 8 |") in text
+
+
 def test_defaults_and_robustness_tables_render_a_measured_block(tmp_path):
     convergence = render._convergence()
     results = tmp_path / "results"

@@ -285,6 +285,30 @@ def render_thor_inverse(results):
             + machine_line(*payloads, files=files))
 
 
+def render_xla_refresh(results):
+    r = load("xla_refresh.json", results)
+    factors = r["ms_per_factor"]
+    names = {"eigh": "eigendecomposition (`tf.linalg.eigh`)",
+             "inverse": "damped inverse (`tf_msopt.ops.inverse.damped_inverse`)"}
+    def ms(value):
+        return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+    rows = [[names[kind], width, ms(plain), ms(factors[kind + " (XLA)"][width]),
+             f"{factors[kind + ' (XLA)'][width] / plain:.0f}x"]
+            for kind in names for width, plain in factors[kind].items()]
+    text = table(["factorisation", "width", "ms per factor", "inside XLA, ms", "XLA / not"],
+                 rows)
+    if "ms_per_step" in r:
+        steps, optimizers = r["ms_per_step"], {"adam": "`keras.optimizers.Adam()`",
+                                               "thor default": "`tf_msopt.thor(model)`"}
+        text += f"\n{r['model']}:\n\n" + table(
+            ["train step", "ms/step", "/ Adam without XLA"],
+            [[optimizers[case.removesuffix(" (XLA)")]
+              + (", compiled with XLA" if case.endswith(" (XLA)") else ""),
+              f"{value:.1f}", _x(value / steps["adam"])] for case, value in steps.items()])
+    return text + machine_line(r, files=["xla_refresh.json"])
+
+
 CUDA_ROUTES = {"cupy_linalg_inv": "`cupy.linalg.inv`",
                "torch_linalg_inv_ex": "`torch.linalg.inv_ex`",
                "torch_cholesky_ex_inverse": "torch `cholesky_ex` + `cholesky_inverse`"}
@@ -661,6 +685,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),
+    "xla_refresh": (render_xla_refresh, ["xla_refresh.json"]),
     "loss_scale_step": (render_loss_scale_step, ["loss_scale_step.json"]),
     "convergence_lowest_loss": (render_convergence_lowest_loss, [LOWEST_LOSS_FILE]),
     "convergence_grids": (render_convergence_grids, [results_file(task) for task in ALL_TASKS]),

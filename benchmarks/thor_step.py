@@ -165,12 +165,12 @@ class Case:
             loss = self.loss_fn(self.y, self.model(self.x, training=True))
         return tape.gradient(loss, self.model.trainable_variables)
 
-    def step(self, thor_step=None):
+    def step(self, thor_step=None, jit_compile=False):
         """The train step; ``thor_step`` True/False forces the kind of THOR step (it sets
-        the optimizer's step counter first)."""
+        the optimizer's step counter first); ``jit_compile`` compiles it with XLA."""
         variables = self.model.trainable_variables
 
-        @tf.function
+        @tf.function(jit_compile=jit_compile)
         def step():
             if thor_step is not None:
                 self.optimizer.iterations.assign(0 if thor_step else 1)

@@ -82,22 +82,13 @@ def time_steps(rounds):
     for xla in (False, True):
         for name, factory in optimizers.items():
             case = Case(make_model, factory, x, y)
-            steps[f"{name}{' (XLA)' if xla else ''}"] = _step(case, xla)
+            steps[f"{name}{' (XLA)' if xla else ''}"] = case.step(jit_compile=xla)
     frequency = mso.thor.DEFAULTS["frequency"]
     times = time_cases(steps, rounds, 2 * frequency, warmup=5 * frequency)
     ms = {case: 1e3 * seconds for case, seconds in times.items()}
     for case, value in ms.items():
         print(f"{case:>20} {value:9.2f} ms/step {value / ms['adam']:6.2f}x Adam")
     return title, ms
-
-
-def _step(case, xla):
-    variables = case.model.trainable_variables
-
-    @tf.function(jit_compile=xla)
-    def step():
-        case.optimizer.apply(case._gradients(), variables)
-    return step
 
 
 def main():

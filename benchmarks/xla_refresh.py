@@ -41,6 +41,11 @@ FACTORS = {128: 22, 512: 4}   # per width: how many the character language model
 DAMPING = 0.03
 
 
+def _label(name, xla):
+    """A case's name in the results: `` (XLA)`` marks the one compiled with XLA."""
+    return f"{name} (XLA)" if xla else name
+
+
 def spd_factors(width, count, rng):
     rows = rng.standard_normal((count, 4 * width, width)).astype("float32")
     return tf.constant(np.einsum("kri,krj->kij", rows, rows) / width)
@@ -56,7 +61,7 @@ def time_factorisations(widths, rounds):
         factors = spd_factors(width, FACTORS.get(width, 1), rng)
         for kind, fn in kinds.items():
             for xla in (False, True):
-                name = f"{kind}{' (XLA)' if xla else ''}"
+                name = _label(kind, xla)
                 compiled = tf.function(fn, jit_compile=xla)
                 compiled(factors)     # trace and compile, untimed
                 times = []
@@ -82,7 +87,7 @@ def time_steps(rounds):
     for xla in (False, True):
         for name, factory in optimizers.items():
             case = Case(make_model, factory, x, y)
-            steps[f"{name}{' (XLA)' if xla else ''}"] = case.step(jit_compile=xla)
+            steps[_label(name, xla)] = case.step(jit_compile=xla)
     frequency = mso.thor.DEFAULTS["frequency"]
     times = time_cases(steps, rounds, 2 * frequency, warmup=5 * frequency)
     ms = {case: 1e3 * seconds for case, seconds in times.items()}

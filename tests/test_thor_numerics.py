@@ -219,12 +219,13 @@ OPTION_CASES = {
     "eigenbasis_output_side_layer_norm": ("layer_norm", dict(
         preconditioner="eigenbasis", precondition_inputs=False, graft="adam",
         trace_thresholds=(0.25, 0.12))),
-    # Other exponents of the rotated second moment: one for every kernel, or by layer kind.
+    # Other exponents of the rotated second moment: one for every kernel, or by layer kind
+    # (1, the quarter powers taken through square roots, and tf.pow for the rest).
     "eigenbasis_exponent_dense": ("dense", dict(preconditioner="eigenbasis", graft="adam",
                                                 eigenbasis_exponent=1.0)),
     **{f"eigenbasis_exponent_{name}": (name, dict(
         preconditioner="eigenbasis", graft="adam", eigenbasis_exponent={
-            "conv": 0.75, "einsum_dense": 0.6, "depthwise_conv": 0.9, "embedding": 1.0}))
+            "conv": 0.75, "einsum_dense": 0.6, "depthwise_conv": 0.25, "embedding": 1.0}))
        for name in ("conv_same", "einsum_dense", "depthwise", "embedding")},
     # The cautious mask on MindSpore's momentum (Nesterov, weight decay) and on the default's
     # grafted steps in an eigenbasis; on every variable, and on the projections over

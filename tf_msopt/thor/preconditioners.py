@@ -252,8 +252,20 @@ class EigenbasisPreconditioner:
         if exponent == ADAM_EXPONENT:
             return adam_step(moment, rotated, correction, assign)
         estimate = second_moment(moment, rotated, correction, assign)
-        return tf.math.divide_no_nan(rotated, tf.pow(
+        return tf.math.divide_no_nan(rotated, _power(
             estimate + EIGENBASIS_DAMPING * tf.reduce_mean(estimate), exponent))
+
+
+def _power(x, exponent):
+    """``x^exponent`` for ``x >= 0``. Quarter powers go through square roots: ``tf.pow`` (an
+    exponential and a logarithm per element) takes about five times as long on a large
+    kernel's rotated second moment."""
+    if exponent == 1:
+        return x
+    if exponent in (0.25, 0.75):
+        quarter = tf.sqrt(tf.sqrt(x))
+        return quarter if exponent == 0.25 else tf.sqrt(x) * quarter
+    return tf.pow(x, exponent)
 
 
 PRECONDITIONERS = {cls.name: cls for cls in (InversePreconditioner, EigenbasisPreconditioner)}

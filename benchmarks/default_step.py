@@ -34,9 +34,15 @@ eigendecomposition, LAPACK's count with eigenvectors, and ``2 b^3`` for the chec
 previous basis), divided by ``frequency``. The last line printed is JSON (``--out FILE``
 also writes it to FILE, replacing it).
 
-    python benchmarks/default_step.py [--model NAME[,NAME...]|all] [--rounds R] [--out FILE]
+``--variant ARGS`` (repeatable; ``ARGS`` is THOR's keyword arguments, ``NAME=VALUE`` separated by
+commas, e.g. ``block_size=128``) times the levers instead of the parts: Adam, the default and
+the default with each ``ARGS``, interleaved alike, each with the cost model's FLOPs.
+
+    python benchmarks/default_step.py [--model NAME[,NAME...]|all] [--rounds R]
+        [--variant ARGS ...] [--out FILE]
 """
 import argparse
+import ast
 import os
 import sys
 
@@ -98,15 +104,36 @@ PARTS = {"rotation": ("rotation only", "adam"),
          "refresh": ("every factor", "no refresh")}
 
 
+def _thor(**kwargs):
+    return lambda model: mso.thor(model, **kwargs)
+
+
 def cases():
     """The cases' optimizer factories."""
-    def thor(**kwargs):
-        return lambda model: mso.thor(model, **kwargs)
     return {"adam": lambda model: keras.optimizers.Adam(),
-            "thor default": thor(),
-            "every factor": thor(eigenbasis_tolerance=None),
-            "no refresh": thor(frequency=NEVER),
-            "rotation only": thor(frequency=NEVER, statistics_frequency=NEVER)}
+            "thor default": _thor(),
+            "every factor": _thor(eigenbasis_tolerance=None),
+            "no refresh": _thor(frequency=NEVER),
+            "rotation only": _thor(frequency=NEVER, statistics_frequency=NEVER)}
+
+
+def variant_cases(variants):
+    """Adam's, the default's and each variant's factory (``{label: THOR kwargs}``)."""
+    return {"adam": lambda model: keras.optimizers.Adam(), "thor default": _thor(),
+            **{label: _thor(**kwargs) for label, kwargs in variants.items()}}
+
+
+def parse_variant(text):
+    """``"block_size=128,max_rotated_dim=512"`` -> ``(label, {name: value})``."""
+    kwargs = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        try:
+            kwargs[name.strip()] = ast.literal_eval(value.strip())
+        except (ValueError, SyntaxError):
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not NAME=VALUE with a Python literal") from None
+    return "thor " + ", ".join(f"{name}={value!r}" for name, value in kwargs.items()), kwargs
 
 
 def forward_flops(model, x):
@@ -140,17 +167,39 @@ def thor_flops(optimizer):
     return flops
 
 
-def run_model(name, rounds, repeats):
+def _time_model(name, factories, rounds, repeats):
+    """``(built cases, x, title, ms per step)`` of ``factories`` on model ``name``."""
     make, per_position = MODELS[name]
     make_model, x, classes, title = make()
     rng = np.random.default_rng(1)
     y = rng.integers(0, classes, size=x.shape if per_position else x.shape[:1]).astype("int32")
-    built = {case: Case(make_model, factory, x, y) for case, factory in cases().items()}
+    built = {case: Case(make_model, factory, x, y) for case, factory in factories.items()}
     steps = {case: value.step() for case, value in built.items()}
     frequency = mso.thor.DEFAULTS["frequency"]
     # Past the moving averages' filling, before which the default decomposes every factor.
     times = time_cases(steps, rounds, frequency * repeats, warmup=WARMUP_REFRESHES * frequency)
-    ms = {case: 1e3 * seconds for case, seconds in times.items()}
+    return built, x, title, {case: 1e3 * seconds for case, seconds in times.items()}
+
+
+def run_variants(name, rounds, repeats, variants):
+    """Adam, the default and ``variants`` on model ``name``: ms per step and THOR's FLOPs."""
+    built, x, title, ms = _time_model(name, variant_cases(variants), rounds, repeats)
+    model_flops = 3.0 * forward_flops(built["adam"].model, x)
+    gflop = {case: {part: value / 1e9 for part, value in thor_flops(value.optimizer).items()}
+             for case, value in built.items() if case != "adam"}
+    print(f"\n== {name}: {title}, {rounds} rounds; model {model_flops / 1e9:.4f} GFLOP/step")
+    print(f"{'case':>40} {'ms/step':>9} {'x Adam':>7}   GFLOP/step " + ", ".join(PARTS))
+    for case, value in ms.items():
+        parts = ", ".join(f"{v:.4g}" for v in gflop[case].values()) if case in gflop else ""
+        print(f"{case:>40} {value:9.2f} {value / ms['adam']:7.2f}   {parts}")
+    return {"title": title, "batch": int(x.shape[0]), "rounds": rounds, "ms_per_step": ms,
+            "ratio_vs_adam": {c: v / ms["adam"] for c, v in ms.items()},
+            "model_gflop": model_flops / 1e9, "parts_gflop": gflop}
+
+
+def run_model(name, rounds, repeats):
+    built, x, title, ms = _time_model(name, cases(), rounds, repeats)
+    frequency = mso.thor.DEFAULTS["frequency"]
     measured = {part: ms[minuend] - ms[subtrahend]
                 for part, (minuend, subtrahend) in PARTS.items()}
     model_flops = 3.0 * forward_flops(built["adam"].model, x)
@@ -179,15 +228,20 @@ def main():
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--repeats", type=int, default=2,
                         help="frequency-long runs per case and round")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        metavar="ARGS", help="time the default with these THOR arguments "
+                        "(NAME=VALUE,...) beside Adam and the default, instead of the parts")
     parser.add_argument("--out", help="also write the JSON line to this file (replacing it)")
     args = parser.parse_args()
     names = list(MODELS) if args.model == "all" else args.model.split(",")
     unknown = sorted(set(names) - set(MODELS))
     if unknown:
         sys.exit(f"--model: unknown {unknown}; choose from {', '.join(MODELS)} or all")
+    variants = dict(args.variant)
+    run = ((lambda name: run_variants(name, args.rounds, args.repeats, variants)) if variants
+           else (lambda name: run_model(name, args.rounds, args.repeats)))
     emit({"benchmark": "default_step", "machine": machine(), "defaults": mso.thor.DEFAULTS,
-          "models": {name: run_model(name, args.rounds, args.repeats) for name in names}},
-         args.out)
+          "models": {name: run(name) for name in names}}, args.out)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,10 @@ def _x(ratio):
     return f"{ratio:.2f}x"
 
 
+def _ms(value):
+    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
+
+
 # --- speed benchmarks
 
 ROOFLINE_NAMES = {
@@ -255,19 +259,40 @@ def render_thor_step_workers(results):
             + machine_line(*payloads, files=WORKERS_FILES))
 
 
+DEFAULT_STEP_FILES = ["default_step.json", "default_step_resnet50.json"]
+
+
 def render_default_step(results):
-    r = load("default_step.json", results)
+    payloads = [load(f, results) for f in DEFAULT_STEP_FILES]
     rows = []
-    for m in r["models"].values():
+    for m in (m for r in payloads for m in r["models"].values()):
         ms, gflop = m["ms_per_step"], m["parts_gflop"]
-        rows.append([m["title"], f"{ms['adam']:.3g}", f"{ms['thor default']:.3g}",
+        title = m["title"] if "batch" in m["title"] else f"{m['title']}, batch {m['batch']}"
+        rows.append([title, _ms(ms["adam"]), _ms(ms["thor default"]),
                      _x(m["ratio_vs_adam"]["thor default"]), f"{m['model_gflop']:.3g}"]
                     + [f"{gflop[part]:.3g} / {m['parts_ms'][part]:.1f}" for part in gflop]
                     + [_x(m["flops_added_vs_model"])])
     return (table(["model", "Adam ms/step", "default THOR ms/step", "THOR / Adam",
                    "model GFLOP", "rotation GFLOP / ms", "statistics GFLOP / ms",
                    "refresh GFLOP / ms (per step)", "THOR's FLOPs / model's"], rows)
-            + machine_line(r, files=["default_step.json"]))
+            + machine_line(*payloads, files=DEFAULT_STEP_FILES))
+
+
+def render_default_step_levers(results):
+    r = load("default_step_resnet50_levers.json", results)
+    (m,) = r["models"].values()
+    rows = []
+    for case, ms in m["ms_per_step"].items():
+        gflop = m["parts_gflop"].get(case)
+        label = ("`keras.optimizers.Adam()`" if gflop is None else "the default"
+                 if case == "thor default" else f"`{case.removeprefix('thor ')}`")
+        rows.append([label, f"{ms:.0f}", _x(m["ratio_vs_adam"][case])]
+                    + ([f"{value:.3g}" for value in gflop.values()] if gflop else ["", "", ""]))
+    return (f"{m['title']}, batch {m['batch']}, {m['rounds']} rounds; the model's forward "
+            f"and backward pass {m['model_gflop']:.3g} GFLOP:\n\n"
+            + table(["THOR", "ms/step", "/ Adam", "rotation GFLOP", "statistics GFLOP",
+                     "refresh GFLOP (per step, every factor)"], rows)
+            + machine_line(r, files=["default_step_resnet50_levers.json"]))
 
 
 def render_thor_inverse(results):
@@ -681,7 +706,8 @@ TABLES = {  # name: (renderer, the results files it reads)
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
     "thor_step_workers": (render_thor_step_workers, WORKERS_FILES),
-    "default_step": (render_default_step, ["default_step.json"]),
+    "default_step": (render_default_step, DEFAULT_STEP_FILES),
+    "default_step_levers": (render_default_step_levers, ["default_step_resnet50_levers.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),
     "thor_inverse_cuda": (render_thor_inverse_cuda, ["thor_inverse_cuda.json"]),
     "conditional_cost": (render_conditional_cost, ["conditional_cost.json"]),

@@ -63,14 +63,14 @@ def test_cost_model_counts():
 
 
 def test_a_variant_is_the_default_with_its_arguments():
-    label, kwargs = default_step.parse_variant("block_size=4, max_rotated_dim=None")
-    assert (label, kwargs) == ("thor block_size=4, max_rotated_dim=None",
-                               {"block_size": 4, "max_rotated_dim": None})
+    label, kwargs = default_step.parse_variant("block_size=4, max_rotated_dim=6")
+    assert (label, kwargs) == ("thor block_size=4, max_rotated_dim=6",
+                               {"block_size": 4, "max_rotated_dim": 6})
     factories = default_step.variant_cases({label: kwargs})
     assert list(factories) == ["adam", "thor default", label]
     x, y = _data()
     options = default_step.Case(_model, factories[label], x, y).optimizer.options
-    assert (options.block_size, options.max_rotated_dim) == (4, None)
+    assert (options.block_size, options.max_rotated_dim) == (4, 6)
     assert options.statistics_rows == default_step.mso.thor.DEFAULTS["statistics_rows"]
     with pytest.raises(default_step.argparse.ArgumentTypeError, match="'block_size'"):
         default_step.parse_variant("block_size")

@@ -76,7 +76,9 @@ class LayerStatistics:
         # A gather keeps the other axes' static sizes, which a slice with a tensor stride
         # loses (the convolution patches need them).
         kept = tf.range(0, examples, stride)
-        return tf.gather(inputs, kept), tf.gather(delta, kept)
+        # (A recurrent block's masked inputs are a pair of tensors.)
+        return (tf.nest.map_structure(lambda t: tf.gather(t, kept), inputs),
+                tf.gather(delta, kept))
 
     def write(self, a, g, rows):
         """Assigns the three buffers; returns a tensor that depends on the assignments."""

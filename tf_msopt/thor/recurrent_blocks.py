@@ -14,17 +14,29 @@ so ``U``'s ``delta`` is ``r * delta`` in the candidate's columns.
 
 To observe ``delta``, the capture runs the layer's recurrence itself (Keras' arithmetic
 without cuDNN): the input projection ``x W + b`` of every time step at once, which is the
-observed tensor, then each step's recurrent part in a ``tf.scan``.
+observed tensor, then each step's recurrent part in a ``tf.scan``. A masked step (``Masking``,
+``Embedding(mask_zero=True)``) keeps the states, as Keras' loop does, and is no row of the
+statistics.
 """
 import dataclasses
-from typing import ClassVar
+from typing import ClassVar, NamedTuple
 
 import keras
 import tensorflow as tf
 
-from tf_msopt.thor.curvature_base import KroneckerBlock, register
+from tf_msopt.thor.block_diagonal import covariance_blocks
+from tf_msopt.thor.curvature_base import KroneckerBlock, as_rows, register
 
-__all__ = ["RecurrentBlock"]
+__all__ = ["MaskedSteps", "RecurrentBlock"]
+
+
+class MaskedSteps(NamedTuple):
+    """A kernel's inputs at each time step (``[batch, steps, features]``) and which steps
+    count (``[batch, steps]``, 1 or 0): the rows a masked sequence gives the statistics."""
+
+    values: tf.Tensor
+    weights: tf.Tensor
+
 
 _CELLS = {keras.layers.SimpleRNN: keras.layers.SimpleRNNCell,
           keras.layers.GRU: keras.layers.GRUCell,
@@ -87,6 +99,18 @@ class RecurrentBlock(KroneckerBlock):
         side = "recurrent kernel" if self.recurrent else "input kernel"
         return f"{side}: {super().describe(block_size)}"
 
+    def statistics(self, layer, inputs, delta, block_size):
+        """Over the time steps that count where ``inputs`` is :class:`MaskedSteps`: the
+        masked steps' rows are zeroed and not counted."""
+        if not isinstance(inputs, MaskedSteps):
+            return super().statistics(layer, inputs, delta, block_size)
+        weights = as_rows(inputs.weights, 1)
+        a = covariance_blocks(self.input_rows(layer, inputs.values) * weights,
+                              self.a_layout(block_size))
+        g = covariance_blocks(self.output_rows(layer, delta) * weights,
+                              self.g_layout(block_size))
+        return a, g, tf.reduce_sum(weights)
+
     def capture(self, layer, call, observe, inputs, *args, **kwargs):
         """Runs ``call`` with the layer's inner loop replaced by :func:`_observed_loop`."""
         def inner_loop(sequences, initial_state, mask, training=False):
@@ -103,13 +127,9 @@ def _observed_loop(layer, observe, sequences, initial_state, mask):
     """Keras' ``inner_loop`` of ``layer`` (``(last_output, outputs, states)``, outputs in the
     order the steps run), with the input projection observed: its gradient is ``delta``,
     which both kernels' statistics read (``observe``'s pieces: the input kernel's rows ``x_t``,
-    the recurrent kernel's ``h_{t-1}``)."""
-    if mask is not None:
-        raise ValueError(
-            f"For 'THOR', the recurrent layer '{layer.name}' got a mask: THOR's recurrent "
-            f"blocks do not capture masked sequences (their padded steps would count as "
-            f"rows). Give it unpadded sequences (e.g. Embedding(mask_zero=False)), or "
-            f"create THOR before adding the mask.")
+    the recurrent kernel's ``h_{t-1}``). With a ``mask``, a masked step keeps the states and
+    outputs the previous output (zeros with ``zero_output_for_mask``), as Keras' generic loop
+    does; its projection then gets no gradient, and its rows are not counted."""
     cell = layer.cell
     states = list(initial_state) if isinstance(initial_state, (list, tuple)) else [
         initial_state]
@@ -117,24 +137,42 @@ def _observed_loop(layer, observe, sequences, initial_state, mask):
     projection = keras.ops.matmul(sequences, cell.kernel)
     if input_bias is not None:
         projection = projection + input_bias
+    masked = mask is not None
+    if masked:
+        mask = tf.cast(mask[0] if isinstance(mask, (list, tuple)) else mask, tf.bool)
     seen = {}
+
+    def rows(values):
+        return MaskedSteps(values, tf.cast(mask, tf.float32)) if masked else values
+
     projection = observe(projection, lambda d: [
-        (sequences, d), (seen["previous"], d if seen["scale"] is None else d * seen["scale"])])
+        (rows(sequences), d),
+        (rows(seen["previous"]), d if seen["scale"] is None else d * seen["scale"])])
     steps = tf.transpose(projection, [1, 0, 2])
+    elements = (steps, tf.transpose(mask)) if masked else steps
     if layer.go_backwards:
-        steps = tf.reverse(steps, [0])
+        elements = tf.nest.map_structure(lambda t: tf.reverse(t, [0]), elements)
     kernel = keras.ops.convert_to_tensor(cell.recurrent_kernel)
     step = _STEPS[type(cell)]
     # Only a GRU scales its recurrent kernel's delta (by r): the others carry no scale.
     scaled = isinstance(cell, keras.layers.GRUCell)
 
-    def scan_step(carry, projected):
+    def scan_step(carry, element):
+        projected, keep = element if masked else (element, None)
         new_states, scale = step(cell, projected, carry[0], kernel, recurrent_bias)
-        return (new_states, carry[0][0]) + ((scale,) if scaled else ())
+        extra = (scale,) if scaled else ()
+        if masked:
+            keep = keep[:, None]
+            held = tf.zeros_like(carry[-1]) if layer.zero_output_for_mask else carry[-1]
+            extra += (tf.where(keep, new_states[0], held),)
+            new_states = tuple(tf.where(keep, new, old)
+                               for new, old in zip(new_states, carry[0]))
+        return (new_states, carry[0][0]) + extra
 
-    initializer = (tuple(states), states[0]) + ((tf.ones_like(steps[0]),) if scaled else ())
-    new_states, previous, *scale = tf.scan(scan_step, steps, initializer=initializer)
-    outputs = tf.transpose(new_states[0], [1, 0, 2])
+    initializer = ((tuple(states), states[0]) + ((tf.ones_like(steps[0]),) if scaled else ())
+                   + ((tf.zeros_like(states[0]),) if masked else ()))
+    new_states, previous, *extra = tf.scan(scan_step, elements, initializer=initializer)
+    outputs = tf.transpose(extra[-1] if masked else new_states[0], [1, 0, 2])
 
     def batch_major(t):
         """``[steps, batch, ...]`` in the order the steps ran as ``[batch, steps, ...]`` in
@@ -143,7 +181,7 @@ def _observed_loop(layer, observe, sequences, initial_state, mask):
         return tf.stop_gradient(tf.transpose(t, [1, 0, 2]))
 
     seen["previous"] = batch_major(previous)
-    seen["scale"] = batch_major(scale[0]) if scaled else None
+    seen["scale"] = batch_major(extra[0]) if scaled else None
     return outputs[:, -1], outputs, [s[-1] for s in new_states]
 
 

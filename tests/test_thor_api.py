@@ -60,12 +60,6 @@ def test_accepted_forms():
     assert isinstance(optimizer, mso.THOR) and isinstance(optimizer, keras.optimizers.Optimizer)
 
 
-def test_model_must_be_built():
-    model = keras.Sequential([keras.layers.Dense(2)])
-    with pytest.raises(ValueError, match="built"):
-        mso.thor(model, 0.1, 0.03, 0.9)
-
-
 # -- the report --------------------------------------------------------------------------------
 
 class OwnCallDense(keras.layers.Dense):
@@ -141,6 +135,66 @@ def test_unconnected_thor_raises_at_first_step():
     assert "NOT CONNECTED" in str(optimizer.report())
     mso.thor.connect(model)
     model.train_on_batch(np.ones((2, 4), "float32"), np.ones((2, 2), "float32"))
+    assert int(optimizer.iterations.numpy()) == 1
+
+
+class Subclassed(keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.fc = keras.layers.Dense(3, activation="tanh")
+        self.head = keras.layers.Dense(2)
+
+    def call(self, inputs):
+        return self.head(self.fc(inputs))
+
+
+def _unbuilt(kind):
+    """A model of the given kind whose layers get their shapes only from the data."""
+    keras.utils.set_random_seed(0)
+    if kind == "subclassed":
+        return Subclassed()
+    layers = [keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)]
+    return keras.Sequential(([keras.Input((4,))] if kind == "built" else []) + layers)
+
+
+@pytest.mark.parametrize("kind", ["sequential", "subclassed"])
+@pytest.mark.parametrize("strategy", [None, "two_cpu_strategy"])
+def test_a_model_built_by_fit_is_connected_then(kind, strategy, request):
+    """THOR created for a model that is not built yet (no ``Input``; a subclassed model)
+    connects when ``fit`` builds it, and trains as for the model built beforehand."""
+    x = np.random.default_rng(0).normal(size=(24, 4)).astype("float32")
+    y = np.random.default_rng(1).normal(size=(24, 2)).astype("float32")
+    strategy = request.getfixturevalue(strategy) if strategy else tf.distribute.get_strategy()
+    weights, optimizers = [], []
+    for model_kind in ("built", kind):
+        with strategy.scope():
+            model = _unbuilt(model_kind)
+            optimizer = mso.thor(model, frequency=2)
+            assert model.built == (model_kind == "built")
+            model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        weights.append(model.get_weights())
+        optimizers.append(optimizer)
+    for got, want in zip(*weights):
+        np.testing.assert_array_equal(got, want)
+    assert [len(o.curvature) for o in optimizers] == [2, 2]
+    assert optimizers[1].curvature[model.layers[0].name].count.numpy() == 6
+    assert "NOT CONNECTED" not in str(optimizers[1].report())
+
+
+def test_a_model_built_in_a_custom_loop_must_be_connected():
+    """A custom loop builds the model in its first forward pass, which THOR did not watch:
+    it says to connect the built model, and trains once connected."""
+    model = _unbuilt("subclassed")
+    optimizer = mso.thor(model)
+    x = np.ones((2, 4), "float32")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(model(x))
+    gradients = tape.gradient(loss, model.trainable_variables)
+    with pytest.raises(ValueError, match="optimizer.connect"):
+        optimizer.apply_gradients(zip(gradients, model.trainable_variables))
+    optimizer.connect(model)
+    optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     assert int(optimizer.iterations.numpy()) == 1
 
 

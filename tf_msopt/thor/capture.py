@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.execution import global_batch, replicas_in_sync, when
 
-__all__ = ["LayerStatistics", "assign", "install", "install_model"]
+__all__ = ["LayerStatistics", "assign", "connect_when_built", "install", "install_model"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
 
@@ -173,6 +173,18 @@ def install(layer, blocks, statistics, batch, is_statistics_step, sampled=None):
     hands its statistics' inputs to it instead of recording them itself."""
     _patch(layer, "call", lambda original: _Capture(layer, blocks, original, statistics, batch,
                                                     is_statistics_step, sampled))
+
+
+def connect_when_built(model, building):
+    """Patches ``model``'s build before tracing as :func:`install_model` does, with
+    ``building()`` (a context manager) entered around it: Keras builds the layers there, then
+    the optimizer, whose build connects THOR to them."""
+    def make(original):
+        def build(iterator=None, data_batch=None):
+            with building():
+                return compat.symbolic_build(model, original, iterator, data_batch)
+        return build
+    _patch(model, compat.SYMBOLIC_BUILD, make)
 
 
 def install_model(model, sampled):

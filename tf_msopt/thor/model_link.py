@@ -4,7 +4,11 @@ THOR's curvature comes from its model's layers: their inputs and output gradient
 by patches on the layers (:class:`~tf_msopt.thor.connection.ModelConnection`).
 :class:`ModelLink` is the part of THOR that makes, holds and reports that connection.
 """
+import contextlib
+import weakref
+
 from tf_msopt import _keras_compat as compat
+from tf_msopt.thor.capture import connect_when_built
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
 from tf_msopt.thor.report import ThorReport, planned_rows, survey
 from tf_msopt.thor.sampled_fisher import output_distribution
@@ -19,6 +23,8 @@ class ModelLink:
 
     _connection = None
     _fisher_distribution = None
+    _unbuilt_model = None       # a weak reference to a model to connect once it is built
+    _model_building = False     # whether fit (evaluate, train_on_batch) is building it
 
     def connect(self, model):
         """Connects THOR to ``model``: patches its layers to capture statistics.
@@ -26,8 +32,15 @@ class ModelLink:
         :func:`tf_msopt.thor` calls it. Call it yourself after ``keras.models.load_model``
         (or use :func:`tf_msopt.thor.connect`), under the distribution strategy's scope if
         there is one. The model must have the layers THOR was created for (same names,
-        kinds and shapes). Returns this optimizer.
+        kinds and shapes). A model not built yet (a ``Sequential`` without an ``Input``, a
+        subclassed model) is connected when ``fit``, ``evaluate`` or ``train_on_batch``
+        builds it, before they trace a step. Returns this optimizer.
         """
+        if not model.built:
+            self._unbuilt_model = weakref.ref(model)
+            connect_when_built(model, self._building_model)
+            return self
+        self._unbuilt_model = None
         options = self.options
         blocks, layers, rows = survey(model, options.block_size)
         self._blocks = matching_blocks(self._blocks, blocks, self.built)
@@ -43,8 +56,35 @@ class ModelLink:
             step=self.iterations, fisher_distribution=self._fisher_distribution)
         return self
 
+    @contextlib.contextmanager
+    def _building_model(self):
+        self._model_building = True
+        try:
+            yield
+        finally:
+            self._model_building = False
+
+    def _connect_built_model(self):
+        """Connects the model THOR was created for before it was built, where ``fit`` (or
+        ``evaluate``, ``train_on_batch``) has just built it; ``build`` calls it. Elsewhere
+        (a custom training loop) the layers' first calls were not captured: a
+        ``ValueError`` says to connect the model once built."""
+        model = self._unbuilt_model() if self._unbuilt_model is not None else None
+        if model is None:
+            return
+        if not (self._model_building and model.built):
+            raise ValueError(
+                f"For 'THOR', it was created for the model '{model.name}' before the model "
+                f"was built, and fit, evaluate or train_on_batch, which connect THOR when "
+                f"they build the model, did not build it. In a custom training loop, build "
+                f"the model first (call it once on a batch), then call "
+                f"optimizer.connect(model).")
+        self.connect(model)
+
     def connected_model(self):
         """The connected model; a ``RuntimeError`` when there is none."""
+        if self._connection is None:
+            self._connect_built_model()
         if self._connection is None:
             raise RuntimeError(
                 "This THOR optimizer is not connected to a model, so it has no curvature "

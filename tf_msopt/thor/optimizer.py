@@ -177,6 +177,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
     def build(self, var_list):
         if self.built:
             return
+        self._connect_built_model()
         if self._blocks is None:
             raise ValueError(f"For '{_OWNER}', the optimizer has no layers; create it with "
                              f"tf_msopt.thor(model, ...) or call connect(model) first.")

@@ -171,6 +171,7 @@ def test_a_model_built_by_fit_is_connected_then(kind, strategy, request):
             model = _unbuilt(model_kind)
             optimizer = mso.thor(model, frequency=2)
             assert model.built == (model_kind == "built")
+            assert ("the model is not built" in str(optimizer.report())) == (not model.built)
             model.compile(optimizer=optimizer, loss="mse")
         model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
         weights.append(model.get_weights())

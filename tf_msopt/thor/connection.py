@@ -53,8 +53,8 @@ class ModelConnection:
     """
 
     def __init__(self, model, blocks, layers, rows, *, block_size, weight_sharing, batch_size,
-                 is_statistics_step, statistics_rows=None, statistics_shapes=None, strategy, sampled_seed=None, step=None,
-                 fisher_distribution=None):
+                 is_statistics_step, statistics_rows=None, statistics_shapes=None, strategy,
+                 sampled_seed=None, step=None, fisher_distribution=None):
         self.model = weakref.ref(model)
         self.layers, self.rows = layers, rows
         self.fisher_distribution = fisher_distribution

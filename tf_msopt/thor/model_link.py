@@ -111,7 +111,8 @@ class ModelLink:
                 else planned_rows(self._blocks or (), self.options.block_size))
         decisions = self._estimator.trace_decisions() if self.built else {}
         return ThorReport(tuple(rows), self.options.frequency, self.options.block_size,
-                          inverse_backend(), self._connection is not None, decisions)
+                          inverse_backend(), self._connection is not None, decisions,
+                          awaiting_build=self._unbuilt_model is not None)
 
     def savedmodel_only_children(self):
         # A training step traced in a SavedModel captures the capture buffers, so the

@@ -79,7 +79,8 @@ class ThorReport:
     :class:`ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
-    counts of inversions ``(refreshed, reused, frozen)``.
+    counts of inversions ``(refreshed, reused, frozen)``. ``awaiting_build``: THOR was
+    created for a model not built yet, and connects when ``fit`` builds it.
     """
 
     rows: tuple
@@ -88,6 +89,7 @@ class ThorReport:
     inverse_backend: str
     connected: bool
     trace_decisions: dict = dataclasses.field(default_factory=dict)
+    awaiting_build: bool = False
 
     @property
     def preconditioned(self):
@@ -104,7 +106,10 @@ class ThorReport:
                   f"{len(self.first_order)} first order; statistics and inverses every "
                   f"{self.frequency} steps; blocks of {self.block_size or 'full size'}; "
                   f"inverse back-end: {self.inverse_backend}")
-        if not self.connected:
+        if self.awaiting_build:
+            header += ("\nNOT CONNECTED yet: the model is not built; fit, evaluate or "
+                       "train_on_batch connect THOR when they build it")
+        elif not self.connected:
             header += ("\nNOT CONNECTED to a model: training raises an error until "
                        "connect(model) is called")
         table = [("variable", "layer", "rule / reason")]

@@ -24,8 +24,7 @@ from typing import ClassVar, NamedTuple
 import keras
 import tensorflow as tf
 
-from tf_msopt.thor.block_diagonal import covariance_blocks
-from tf_msopt.thor.curvature_base import KroneckerBlock, as_rows, register
+from tf_msopt.thor.curvature_base import KroneckerBlock, register
 
 __all__ = ["MaskedSteps", "RecurrentBlock"]
 
@@ -104,11 +103,12 @@ class RecurrentBlock(KroneckerBlock):
         masked steps' rows are zeroed and not counted."""
         if not isinstance(inputs, MaskedSteps):
             return super().statistics(layer, inputs, delta, block_size)
-        weights = as_rows(inputs.weights, 1)
-        a = covariance_blocks(self.input_rows(layer, inputs.values) * weights,
-                              self.a_layout(block_size))
-        g = covariance_blocks(self.output_rows(layer, delta) * weights,
-                              self.g_layout(block_size))
+        values, weights = inputs
+
+        def masked(t):
+            return t * tf.cast(weights, t.dtype)[..., None]
+
+        a, g, _ = super().statistics(layer, masked(values), masked(delta), block_size)
         return a, g, tf.reduce_sum(weights)
 
     def capture(self, layer, call, observe, inputs, *args, **kwargs):

@@ -26,18 +26,14 @@ class ReportRow:
 
 
 def survey(model, block_size):
-    """Gives every trainable variable of ``model`` a rule.
+    """Gives every trainable variable of ``model`` (built: its layers' shapes are known) a
+    rule.
 
     Returns:
         ``(blocks, layers, rows)``: the curvature block of each layer THOR treats,
         those layers (same order), and a :class:`ReportRow` for every trainable
         variable of the model.
     """
-    if not model.built:
-        raise ValueError(
-            "For 'thor', the model must be built (give it an Input, or call it once on a batch) "
-            "so that its layers' shapes are known."
-        )
     blocks, layers, rows, surveyed = [], [], [], set()
     for layer in compat.flatten_layers(model):
         if id(layer) in surveyed:     # a recurrent layer's cell, surveyed with its layer

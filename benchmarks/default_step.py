@@ -168,7 +168,8 @@ def thor_flops(optimizer):
 
 
 def _time_model(name, factories, rounds, repeats):
-    """``(built cases, x, title, ms per step)`` of ``factories`` on model ``name``."""
+    """``(built cases, record)`` of ``factories`` on model ``name``: the record holds the
+    model's title, batch and operations a step, and each case's ms per step."""
     make, per_position = MODELS[name]
     make_model, x, classes, title = make()
     rng = np.random.default_rng(1)
@@ -178,33 +179,35 @@ def _time_model(name, factories, rounds, repeats):
     frequency = mso.thor.DEFAULTS["frequency"]
     # Past the moving averages' filling, before which the default decomposes every factor.
     times = time_cases(steps, rounds, frequency * repeats, warmup=WARMUP_REFRESHES * frequency)
-    return built, x, title, {case: 1e3 * seconds for case, seconds in times.items()}
+    ms = {case: 1e3 * seconds for case, seconds in times.items()}
+    return built, {"title": title, "batch": int(x.shape[0]), "rounds": rounds,
+                   "ms_per_step": ms, "ratio_vs_adam": {c: v / ms["adam"] for c, v in ms.items()},
+                   "model_gflop": 3.0 * forward_flops(built["adam"].model, x) / 1e9}
 
 
 def run_variants(name, rounds, repeats, variants):
     """Adam, the default and ``variants`` on model ``name``: ms per step and THOR's FLOPs."""
-    built, x, title, ms = _time_model(name, variant_cases(variants), rounds, repeats)
-    model_flops = 3.0 * forward_flops(built["adam"].model, x)
+    built, record = _time_model(name, variant_cases(variants), rounds, repeats)
+    ms = record["ms_per_step"]
     gflop = {case: {part: value / 1e9 for part, value in thor_flops(value.optimizer).items()}
              for case, value in built.items() if case != "adam"}
-    print(f"\n== {name}: {title}, {rounds} rounds; model {model_flops / 1e9:.4f} GFLOP/step")
+    print(f"\n== {name}: {record['title']}, {rounds} rounds; model "
+          f"{record['model_gflop']:.4f} GFLOP/step")
     print(f"{'case':>40} {'ms/step':>9} {'x Adam':>7}   GFLOP/step " + ", ".join(PARTS))
     for case, value in ms.items():
         parts = ", ".join(f"{v:.4g}" for v in gflop[case].values()) if case in gflop else ""
         print(f"{case:>40} {value:9.2f} {value / ms['adam']:7.2f}   {parts}")
-    return {"title": title, "batch": int(x.shape[0]), "rounds": rounds, "ms_per_step": ms,
-            "ratio_vs_adam": {c: v / ms["adam"] for c, v in ms.items()},
-            "model_gflop": model_flops / 1e9, "parts_gflop": gflop}
+    return {**record, "parts_gflop": gflop}
 
 
 def run_model(name, rounds, repeats):
-    built, x, title, ms = _time_model(name, cases(), rounds, repeats)
+    built, record = _time_model(name, cases(), rounds, repeats)
+    ms, model_flops = record["ms_per_step"], record["model_gflop"] * 1e9
     frequency = mso.thor.DEFAULTS["frequency"]
     measured = {part: ms[minuend] - ms[subtrahend]
                 for part, (minuend, subtrahend) in PARTS.items()}
-    model_flops = 3.0 * forward_flops(built["adam"].model, x)
     flops = thor_flops(built["every factor"].optimizer)
-    print(f"\n== {name}: {title}, default frequency {frequency}, {rounds} rounds")
+    print(f"\n== {name}: {record['title']}, default frequency {frequency}, {rounds} rounds")
     for case, value in ms.items():
         print(f"{case:>14} {value:9.2f} ms/step {value / ms['adam']:6.2f}x Adam")
     print(f"{'part':>14} {'GFLOP/step':>11} {'x model':>8} {'ms/step':>9}")
@@ -214,9 +217,7 @@ def run_model(name, rounds, repeats):
               f"{measured[part]:9.2f}")
     added = sum(flops.values()) / model_flops
     print(f"{'THOR adds':>14} {sum(flops.values()) / 1e9:11.4f} {added:8.2f}")
-    return {"title": title, "batch": int(x.shape[0]), "frequency": frequency, "rounds": rounds,
-            "ms_per_step": ms, "ratio_vs_adam": {c: v / ms["adam"] for c, v in ms.items()},
-            "parts_ms": measured, "model_gflop": model_flops / 1e9,
+    return {**record, "frequency": frequency, "parts_ms": measured,
             "parts_gflop": {part: value / 1e9 for part, value in flops.items()},
             "flops_added_vs_model": added}
 

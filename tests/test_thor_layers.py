@@ -3,6 +3,7 @@ keras.applications.ResNet50; nothing is skipped silently."""
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 from helpers import curvature_variables
 
 import tf_msopt as mso
@@ -101,3 +102,71 @@ def test_resnet50_every_conv_and_dense_kernel_preconditioned():
     train_briefly(model, optimizer, x, y, run_eagerly=True)
     assert int(optimizer.iterations.numpy()) == 3
     assert int(optimizer.failed_inverses.numpy()) == 0
+
+
+
+# -- transposed convolutions -----------------------------------------------------------------
+
+IMAGES = np.random.default_rng(6).uniform(size=(48, 8, 8, 1)).astype("float32")
+
+
+def conv_autoencoder():
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((8, 8, 1)),
+        keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="tanh", name="down"),
+        keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", activation="tanh",
+                                     name="up"),
+        keras.layers.Conv2DTranspose(1, 3, padding="same", activation="sigmoid", name="out")])
+
+
+def autoencoder_run(steps=6, strategy=None, wrap=None, **compile_options):
+    """The default THOR (refresh every 2 steps) on :func:`conv_autoencoder`, ``steps``
+    batches of 8."""
+    with (strategy or tf.distribute.get_strategy()).scope():
+        model = conv_autoencoder()
+        optimizer = mso.thor(model, frequency=2)
+        model.compile(optimizer=optimizer if wrap is None else wrap(optimizer),
+                      loss="binary_crossentropy", **compile_options)
+    x = IMAGES[:8 * steps]
+    model.fit(x, x, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    return model, optimizer
+
+
+def test_transposed_convolutions_are_kronecker_factored():
+    model = conv_autoencoder()
+    report = mso.thor(model).report()
+    assert_every_variable_reported(model, report)
+    assert sorted(report.preconditioned) == kernels(
+        model, (keras.layers.Conv2D, keras.layers.Conv2DTranspose))
+    text = str(report)
+    assert "A 4x4 in 1 block(s), G 27x27 in 1 block(s)" in text     # up: 4 in, 3x3x3 out
+    assert "A 3x3 in 1 block(s), G 9x9 in 1 block(s)" in text       # out: 3 in, 3x3x1 out
+
+
+def test_transposed_convolutions_two_replicas_loss_scaling_and_xla_equal_one_device(
+        two_cpu_strategy):
+    """The default on transposed convolutions: two replicas on the global batch inside a
+    LossScaleOptimizer, and an XLA-compiled step, equal one device."""
+    plain, optimizer = autoencoder_run()
+    assert optimizer.curvature["up"].count.numpy() == 6
+    mirrored, _ = autoencoder_run(strategy=two_cpu_strategy,
+                                  wrap=lambda o: mso.LossScaleOptimizer(o, 2.0 ** 8))
+    compiled, _ = autoencoder_run(jit_compile=True)
+    for other in (mirrored, compiled):
+        for got, want in zip(other.get_weights(), plain.get_weights()):
+            assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def test_transposed_convolutions_resume_exactly(tmp_path):
+    whole, _ = autoencoder_run()
+    model, _ = autoencoder_run(steps=3)
+    path = str(tmp_path / "autoencoder.keras")
+    model.save(path)
+    loaded = keras.models.load_model(path, safe_mode=True)
+    mso.thor.connect(loaded)
+    loaded.fit(IMAGES[24:48], IMAGES[24:48], batch_size=8, epochs=1, shuffle=False, verbose=0)
+    for got, want in zip(loaded.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(loaded.optimizer.variables, whole.optimizer.variables):
+        np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)

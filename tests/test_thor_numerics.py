@@ -73,6 +73,16 @@ def _depthwise_model():
                              keras.layers.Dense(2, name="head")])
 
 
+def _conv_transpose_model():
+    """A linear deconvolution alone: under a Dense head over its outputs, the head's steps in
+    an eigenbasis move its gradient by more than its own bases account for. (Its inputs are
+    3 times the others': the default's KL clip then acts on every step.)"""
+    return keras.Sequential([keras.Input((2, 2, 2)),
+                             keras.layers.Conv2DTranspose(2, 3, strides=2, padding="same",
+                                                          name="deconv"),
+                             keras.layers.Flatten()])
+
+
 MODELS = {
     "dense": (_dense_model, lambda rng: rng.normal(size=(BATCH, 5)), 3),
     "conv_same": (lambda: _conv_model("same"), lambda rng: rng.normal(size=(BATCH, 7, 7, 2)), 2),
@@ -83,6 +93,9 @@ MODELS = {
     "einsum_dense": (_attention_projections_model, lambda rng: rng.normal(size=(BATCH, 3, 4)),
                      2),
     "depthwise": (_depthwise_model, lambda rng: rng.normal(size=(BATCH, 6, 6, 3)), 2),
+    "conv_transpose": (_conv_transpose_model,
+                       lambda rng: 3 * rng.normal(size=(BATCH, 2, 2, 2)),
+                       32),
 }
 
 
@@ -98,6 +111,9 @@ def reference_network(model):
             layers.append(ref.EinsumDense(layer.name, *weights, contracted, activation))
         elif isinstance(layer, keras.layers.DepthwiseConv2D):
             layers.append(ref.DepthwiseConv2D(layer.name, *weights, layer.strides, activation))
+        elif isinstance(layer, keras.layers.Conv2DTranspose):
+            layers.append(ref.Conv2DTranspose(layer.name, *weights, layer.strides, layer.padding,
+                                              layer.output.shape[1:3], activation))
         elif isinstance(layer, keras.layers.Dense):
             layers.append(ref.Dense(layer.name, *weights, activation=layer.activation.__name__))
         elif isinstance(layer, keras.layers.Conv2D):
@@ -195,11 +211,11 @@ OPTION_CASES = {
     "output_side_only": ("dense", dict(precondition_inputs=False)),
     **{f"output_side_only_{name}": (name, dict(precondition_inputs=False, graft="adam",
                                                damping_mode="relative"))
-       for name in ("conv_same", "embedding", "einsum_dense", "depthwise")},
+       for name in ("conv_same", "embedding", "einsum_dense", "depthwise", "conv_transpose")},
     # SOAP's step: Adam in the factors' eigenbases, on every layer kind; grafted, averaged,
     # on the output side only (embedding: its diagonal A keeps the identity anyway).
     **{f"eigenbasis_{name}": (name, dict(preconditioner="eigenbasis"))
-       for name in ("dense", "conv_same", "einsum_dense", "depthwise")},
+       for name in ("dense", "conv_same", "einsum_dense", "depthwise", "conv_transpose")},
     "eigenbasis_grafted_embedding": ("embedding", dict(
         preconditioner="eigenbasis", graft="adam", statistics_decay=0.8)),
     # The default's economies: each kernel rotated on its narrower side only (fc1 on its
@@ -213,6 +229,9 @@ OPTION_CASES = {
        for name in ("einsum_dense", "embedding")},
     "eigenbasis_subsampled_conv_same": ("conv_same", dict(     # examples 0, 3, 6: 48 rows
         preconditioner="eigenbasis", graft="adam", statistics_decay=0.8, statistics_rows=40)),
+    # Rows by input position: 4 an example, examples 0, 2, 4, 6.
+    "eigenbasis_subsampled_conv_transpose": ("conv_transpose", dict(
+        preconditioner="eigenbasis", graft="adam", statistics_decay=0.8, statistics_rows=12)),
     # Averages filled (two time constants) from the third update: bases kept from step 2.
     "eigenbasis_tolerance": ("dense", dict(preconditioner="eigenbasis", graft="adam",
                                            statistics_decay=0.2, eigenbasis_tolerance=0.05)),
@@ -239,9 +258,10 @@ OPTION_CASES = {
     **{f"default_{name}": (name, {
         option: value for option, value in mso.thor.DEFAULTS.items()
         if option not in ("learning_rate", "damping", "momentum", "frequency", "block_size")})
-       for name in ("dense", "conv_same", "einsum_dense")},
+       for name in ("dense", "conv_same", "einsum_dense", "conv_transpose")},
     **{f"all_{name}": (name, ALL_OPTIONS)
-       for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise")},
+       for name in ("dense", "conv_same", "embedding", "einsum_dense", "depthwise",
+                    "conv_transpose")},
 }
 
 
@@ -491,6 +511,38 @@ def test_conv_patches_reproduce_the_convolution(layer, shape):
     product = conv_patches(layer, x) @ tf.reshape(layer.kernel, [-1, layer.filters])
     np.testing.assert_allclose(product.numpy(), tf.reshape(out, [-1, layer.filters]).numpy(),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same"), (2, 4, 3, 3)),
+    (keras.layers.Conv2DTranspose(4, (3, 2), strides=(3, 2), padding="valid",
+                                  output_padding=(2, 1)), (2, 4, 3, 3)),
+    (keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same", output_padding=1),
+     (2, 4, 3, 3)),
+    (keras.layers.Conv2DTranspose(4, 3, padding="valid", dilation_rate=2), (2, 4, 3, 3)),
+    (keras.layers.Conv2DTranspose(4, 3, strides=2, padding="same",
+                                  data_format="channels_first"), (2, 3, 4, 3)),
+    (keras.layers.Conv1DTranspose(4, 3, strides=2, padding="valid"), (2, 5, 3)),
+])
+def test_conv_transpose_gradient_is_input_rows_times_output_rows(layer, shape):
+    """A transposed convolution's kernel gradient is ``x^T p`` over its input positions, ``p``
+    the output gradient's patches, in the kernel's layout: the rows its factors average."""
+    from tf_msopt.thor.curvature_blocks import ConvTransposeBlock
+
+    rng = np.random.default_rng(4)
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    layer.build(shape)
+    with tf.GradientTape(persistent=True) as tape:
+        y = layer(x)
+        loss = tf.reduce_sum(y * rng.normal(size=y.shape).astype("float32"))
+    delta, kernel_gradient = tape.gradient(loss, [y, layer.kernel])
+    block = ConvTransposeBlock.from_layer(layer)
+    inputs, patches = block.input_rows(layer, x), block.output_rows(layer, delta)
+    assert inputs.shape[0] == patches.shape[0] == shape[0] * int(
+        block.rows_per_example(x, delta, None))
+    product = block.kernel_from_matrix(tf.matmul(inputs, patches, transpose_a=True),
+                                       kernel_gradient)
+    np.testing.assert_allclose(product.numpy(), kernel_gradient.numpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("layer, shape", [

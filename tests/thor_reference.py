@@ -154,6 +154,46 @@ class Conv2D:
         return None
 
 
+class Conv2DTranspose:
+    """A first layer, NHWC, of output size ``output_size``: the adjoint of the convolution over
+    its output (same kernel, strides, padding), so each input position adds
+    ``x @ kernel[i, j]^T`` at its strided place of the padded output, which is then cropped.
+    The kernel ``(kh, kw, filters, cin)`` is the matrix ``(cin, kh*kw*filters)``."""
+
+    kind = block_kind = "conv_transpose"
+
+    def __init__(self, name, kernel, bias, strides, padding, output_size, activation="linear"):
+        self.name, self.strides, self.padding, self.activation = name, strides, padding, activation
+        self.output_size = output_size
+        self.params = {"kernel": np.array(kernel, np.float64), "bias": np.array(bias, np.float64)}
+
+    def forward(self, x):
+        kh, kw, filters, _ = self.params["kernel"].shape
+        (n, h, w, _), (ho, wo) = x.shape, self.output_size
+        pads = [same_padding(size, k, s)[1:] if self.padding == "same" else (0, 0)
+                for size, k, s in zip((ho, wo), (kh, kw), self.strides)]
+        padded = np.zeros((n, ho + sum(pads[0]), wo + sum(pads[1]), filters))
+        for i in range(kh):
+            for j in range(kw):
+                rows = i + self.strides[0] * np.arange(h)
+                cols = j + self.strides[1] * np.arange(w)
+                padded[:, rows[:, None], cols[None, :]] += x @ self.params["kernel"][i, j].T
+        self.x = x
+        (top, _), (left, _) = pads
+        self.z = padded[:, top:top + ho, left:left + wo] + self.params["bias"]
+        return _ACTIVATIONS[self.activation][0](self.z)
+
+    def backward(self, dy):
+        dz = dy * _ACTIVATIONS[self.activation][1](self.z)
+        kernel = self.params["kernel"]
+        self.patches, _ = im2col(dz, kernel.shape[:2], self.strides, self.padding)
+        x_rows = self.x.reshape(-1, self.x.shape[-1])
+        self.grads = {"kernel": (x_rows.T @ self.patches).T.reshape(kernel.shape),
+                      "bias": dz.reshape(-1, dz.shape[-1]).sum(0)}
+        self.observed = (self.x, dz)
+        return None
+
+
 class EinsumDense:
     """An EinsumDense layer written as the equivalent Dense computation: the last
     ``contracted`` input axes flattened against the kernel viewed as
@@ -357,7 +397,9 @@ class ThorReference:
         """``(A, G)`` of one layer from what its last backward pass observed."""
         inputs, dz = layer.observed
         if self.statistics_rows is not None:     # every stride-th example
-            rows_per_example = dz.size // dz.shape[0] // dz.shape[-1]
+            # (A transposed convolution's rows are its input positions.)
+            counted = inputs if layer.kind == "conv_transpose" else dz
+            rows_per_example = counted.size // counted.shape[0] // counted.shape[-1]
             stride = max(1, dz.shape[0] * rows_per_example // self.statistics_rows)
             if layer.kind == "conv":     # patches: rows example after example
                 inputs = inputs.reshape(dz.shape[0], -1, inputs.shape[-1])[::stride].reshape(
@@ -365,7 +407,11 @@ class ThorReference:
             else:
                 inputs = inputs[::stride]
             dz = dz[::stride]
-        delta = (dz * batch).reshape(-1, dz.shape[-1])
+        if layer.kind == "conv_transpose":       # the output gradient's patches
+            delta, _ = im2col(dz * batch, layer.params["kernel"].shape[:2], layer.strides,
+                              layer.padding)
+        else:
+            delta = (dz * batch).reshape(-1, dz.shape[-1])
         g = delta.T @ delta / delta.shape[0]
         if layer.kind == "embedding":
             ids = inputs.reshape(-1)
@@ -463,7 +509,7 @@ class ThorReference:
 
     def factored_layers(self):
         return [layer for layer in self.network.layers
-                if layer.kind in ("dense", "conv", "embedding", "depthwise")]
+                if layer.kind in ("dense", "conv", "conv_transpose", "embedding", "depthwise")]
 
     def update_averages(self, batch):
         beta = self.statistics_decay
@@ -558,20 +604,26 @@ class ThorReference:
             factors = [(None if a is None else a.T if into else a,
                         None if g is None else g if into else g.T) for a, g in pairs]
             return (self.depthwise_precondition(matrix, factors) if depthwise
-                    else self.kernel_precondition(matrix, factors[0]))
+                    else self.kernel_precondition(matrix, factors[0],
+                                                  layer.kind == "conv_transpose"))
 
         rotated = rotate(grad, into=True)
         return rotate(adam_step(moments, layer.name, rotated, step, exponent=exponent),
                       into=False)
 
     @staticmethod
-    def kernel_precondition(grad, factors):
-        """``L g R`` on the kernel as a matrix (``L`` None: left alone; a vector: diagonal)."""
+    def kernel_precondition(grad, factors, transposed=False):
+        """``L g R`` on the kernel as a matrix (``L`` None: left alone; a vector: diagonal);
+        ``transposed``: a transposed convolution's, ``(cin, kh*kw*filters)``."""
         left, right = factors
+        shape = grad.shape
+        if transposed:
+            grad = grad.reshape(-1, shape[-1]).T
         matrix = grad.reshape(-1, len(right)) if right is not None else grad.reshape(len(left), -1)
         if left is not None:
             matrix = left[:, None] * matrix if left.ndim == 1 else left @ matrix
-        return (matrix if right is None else matrix @ right).reshape(grad.shape)
+        matrix = matrix if right is None else matrix @ right
+        return (matrix.T if transposed else matrix).reshape(shape)
 
     def preconditioned(self, layer, key, grad, batch, root):
         if self.preconditioner == "eigenbasis" and key in ("kernel", "embeddings"):
@@ -582,7 +634,8 @@ class ThorReference:
         if key in ("kernel", "embeddings"):
             a_inverse, g_inverse = self.inverses[layer.name]
             return self.kernel_precondition(
-                grad, (a_inverse if self.precondition_inputs else None, g_inverse))
+                grad, (a_inverse if self.precondition_inputs else None, g_inverse),
+                layer.kind == "conv_transpose")
         if layer.kind == "layer_norm":
             return grad / (grad * grad / batch + root)
         return grad

@@ -68,9 +68,7 @@ class LayerStatistics:
         batch, so that replicas whose shares it divides keep together the examples one
         device would keep."""
         examples = tf.shape(delta)[0]
-        # The output side's whole width (a depthwise layer's: every channel's outputs).
-        width = self.block.g_layout(self.block_size).dim
-        rows_per_example = tf.size(delta) // tf.maximum(examples, 1) // width
+        rows_per_example = self.block.rows_per_example(inputs, delta, self.block_size)
         stride = tf.maximum(examples * replicas_in_sync() * rows_per_example
                             // self.rows_wanted, 1)
         # A gather keeps the other axes' static sizes, which a slice with a tensor stride

@@ -250,6 +250,12 @@ class KroneckerBlock(CurvatureBlock):
         """``[rows, g_dim]``: the output gradient, rows in any order."""
         return as_rows(delta, self.g_dim)
 
+    def rows_per_example(self, inputs, delta, block_size):
+        """How many rows of statistics one example gives (positions, time steps)."""
+        examples = tf.maximum(tf.shape(delta)[0], 1)
+        # The output side's whole width (a depthwise layer's: every channel's outputs).
+        return tf.size(delta) // examples // self.g_layout(block_size).dim
+
     def statistics(self, layer, inputs, delta, block_size):
         delta_rows = self.output_rows(layer, delta)
         a = self.input_statistics(self.input_rows(layer, inputs), block_size)

@@ -1,7 +1,7 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
-Dense, EinsumDense, Conv1D/Conv2D, DepthwiseConv2D, Embedding and
-LayerNormalization layers here, SimpleRNN/GRU/LSTM in
+Dense, EinsumDense, Conv1D/Conv2D, Conv1DTranspose/Conv2DTranspose, DepthwiseConv2D,
+Embedding and LayerNormalization layers here, SimpleRNN/GRU/LSTM in
 :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
 :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind is one
 new class decorated with :func:`register`.
@@ -22,9 +22,9 @@ from tf_msopt.thor.curvature_base import (REGISTRY, CurvatureBlock, KroneckerBlo
                                           register)
 from tf_msopt.thor.recurrent_blocks import RecurrentBlock
 
-__all__ = ["ConvBlock", "CurvatureBlock", "DenseBlock", "DepthwiseConvBlock", "EinsumDenseBlock",
-           "EmbeddingBlock", "KroneckerBlock", "LayerNormBlock", "Preconditioning", "REGISTRY",
-           "RecurrentBlock",
+__all__ = ["ConvBlock", "ConvTransposeBlock", "CurvatureBlock", "DenseBlock",
+           "DepthwiseConvBlock", "EinsumDenseBlock", "EmbeddingBlock", "KroneckerBlock",
+           "LayerNormBlock", "Preconditioning", "REGISTRY", "RecurrentBlock",
            "blocks_for", "conv_patches", "from_config", "register"]
 
 
@@ -230,6 +230,42 @@ class ConvBlock(KroneckerBlock):
 
     def output_rows(self, layer, delta):
         return as_rows(_channels_last(layer, delta), self.g_dim)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class ConvTransposeBlock(KroneckerBlock):
+    """``Conv1DTranspose`` / ``Conv2DTranspose``: the input gradient of the convolution over
+    its output with the same kernel, so the kernel's gradient is ``sum x p^T`` over the input
+    positions, ``p`` the patches of the output gradient that convolution would take (its
+    padding, strides and dilation). The kernel ``(kh, kw, filters, cin)`` is the matrix
+    ``(cin, kh*kw*filters)``: ``A = E[x x^T]`` over input positions,
+    ``G = E[p p^T]`` over the output gradient's patches."""
+
+    kind: ClassVar[str] = "conv_transpose"
+    layer_types: ClassVar[tuple] = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose)
+    rule: ClassVar[str] = ("Kronecker factors A (input) and G (patches of the output "
+                           "gradient)")
+
+    @classmethod
+    def from_layer(cls, layer):
+        shape = tuple(layer.kernel.shape)
+        return cls(layer.name, (layer.kernel.name,), shape[-1], math.prod(shape[:-1]))
+
+    def input_rows(self, layer, inputs):
+        return as_rows(_channels_last(layer, inputs), self.a_dim)
+
+    def output_rows(self, layer, delta):
+        return conv_patches(layer, delta)
+
+    def rows_per_example(self, inputs, delta, block_size):
+        return tf.size(inputs) // tf.maximum(tf.shape(inputs)[0], 1) // self.a_dim
+
+    def kernel_matrix(self, gradient):
+        return tf.transpose(tf.reshape(gradient, [self.g_dim, self.a_dim]))
+
+    def kernel_from_matrix(self, matrix, gradient):
+        return tf.reshape(tf.transpose(matrix), tf.shape(gradient))
 
 
 @register

@@ -105,7 +105,7 @@ def test_resnet50_every_conv_and_dense_kernel_preconditioned():
 
 
 
-# -- transposed convolutions -----------------------------------------------------------------
+# -- transposed and separable convolutions ---------------------------------------------------
 
 IMAGES = np.random.default_rng(6).uniform(size=(48, 8, 8, 1)).astype("float32")
 
@@ -115,6 +115,7 @@ def conv_autoencoder():
     return keras.Sequential([
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="tanh", name="down"),
+        keras.layers.SeparableConv2D(4, 3, padding="same", activation="tanh", name="middle"),
         keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", activation="tanh",
                                      name="up"),
         keras.layers.Conv2DTranspose(1, 3, padding="same", activation="sigmoid", name="out")])
@@ -133,20 +134,24 @@ def autoencoder_run(steps=6, strategy=None, wrap=None, **compile_options):
     return model, optimizer
 
 
-def test_transposed_convolutions_are_kronecker_factored():
+def test_transposed_and_separable_convolutions_are_kronecker_factored():
     model = conv_autoencoder()
     report = mso.thor(model).report()
     assert_every_variable_reported(model, report)
-    assert sorted(report.preconditioned) == kernels(
-        model, (keras.layers.Conv2D, keras.layers.Conv2DTranspose))
+    middle = model.get_layer("middle")
+    assert sorted(report.preconditioned) == sorted(kernels(
+        model, (keras.layers.Conv2D, keras.layers.Conv2DTranspose)) + [
+        middle.depthwise_kernel.path, middle.pointwise_kernel.path])
     text = str(report)
+    assert "4 channel(s), A 9x9, G 1x1 each" in text               # middle: depthwise
+    assert "A 4x4 in 1 block(s), G 4x4 in 1 block(s)" in text       # middle: pointwise
     assert "A 4x4 in 1 block(s), G 27x27 in 1 block(s)" in text     # up: 4 in, 3x3x3 out
     assert "A 3x3 in 1 block(s), G 9x9 in 1 block(s)" in text       # out: 3 in, 3x3x1 out
 
 
-def test_transposed_convolutions_two_replicas_loss_scaling_and_xla_equal_one_device(
+def test_transposed_and_separable_convolutions_two_replicas_loss_scaling_and_xla(
         two_cpu_strategy):
-    """The default on transposed convolutions: two replicas on the global batch inside a
+    """The default on transposed and separable convolutions: two replicas on the global batch inside a
     LossScaleOptimizer, and an XLA-compiled step, equal one device."""
     plain, optimizer = autoencoder_run()
     assert optimizer.curvature["up"].count.numpy() == 6
@@ -158,7 +163,7 @@ def test_transposed_convolutions_two_replicas_loss_scaling_and_xla_equal_one_dev
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
-def test_transposed_convolutions_resume_exactly(tmp_path):
+def test_transposed_and_separable_convolutions_resume_exactly(tmp_path):
     whole, _ = autoencoder_run()
     model, _ = autoencoder_run(steps=3)
     path = str(tmp_path / "autoencoder.keras")
@@ -170,3 +175,111 @@ def test_transposed_convolutions_resume_exactly(tmp_path):
         np.testing.assert_array_equal(got, want)
     for got, want in zip(loaded.optimizer.variables, whole.optimizer.variables):
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)
+
+
+# -- separable convolutions -----------------------------------------------------------------
+
+def separable_pair(seed=0):
+    """A SeparableConv2D model and the same computation as a DepthwiseConv2D and a 1x1
+    Conv2D, with the same weights."""
+    keras.utils.set_random_seed(seed)
+    separable = keras.Sequential([
+        keras.Input((7, 7, 3)),
+        keras.layers.SeparableConv2D(4, 3, strides=2, padding="same", depth_multiplier=2,
+                                     activation="tanh", name="separable"),
+        keras.layers.Flatten(), keras.layers.Dense(2, name="head")])
+    split = keras.Sequential([
+        keras.Input((7, 7, 3)),
+        keras.layers.DepthwiseConv2D(3, strides=2, padding="same", depth_multiplier=2,
+                                     use_bias=False, name="depthwise"),
+        keras.layers.Conv2D(4, 1, activation="tanh", name="pointwise"),
+        keras.layers.Flatten(), keras.layers.Dense(2, name="head")])
+    layer = separable.get_layer("separable")
+    split.get_layer("depthwise").set_weights([layer.depthwise_kernel.numpy()])
+    split.get_layer("pointwise").set_weights([layer.pointwise_kernel.numpy(),
+                                              layer.bias.numpy()])
+    split.get_layer("head").set_weights(separable.get_layer("head").get_weights())
+    return separable, split
+
+
+#: Each kind with the exponent of its counterpart in the split model.
+EXPONENTS = {"separable_depthwise": 0.25, "depthwise_conv": 0.25, "separable_pointwise": 0.75,
+             "conv": 0.75}
+SEPARABLE_OPTIONS = {
+    "default": dict(eigenbasis_exponent=EXPONENTS),
+    "subsampled": dict(eigenbasis_exponent=EXPONENTS, statistics_rows=40),
+    "mindspore": dict(preset="mindspore", learning_rate=0.1, damping=0.03, momentum=0.9),
+}
+
+
+@pytest.mark.parametrize("options", SEPARABLE_OPTIONS.values(), ids=SEPARABLE_OPTIONS.keys())
+def test_separable_convolution_trains_as_depthwise_then_pointwise(two_cpu_strategy, options):
+    """A SeparableConv2D's two blocks are the DepthwiseConv2D's and the 1x1 Conv2D's of the
+    same computation: the same weights on one device and on two replicas (to the bit where
+    TensorFlow's separable kernel sums as the two layers' do; oneDNN's does here)."""
+    rng = np.random.default_rng(7)
+    x, y = rng.normal(size=(32, 7, 7, 3)), rng.normal(size=(32, 2))
+
+    def train(built, strategy):
+        with strategy.scope():
+            model = keras.models.clone_model(built)
+            model.set_weights(built.get_weights())
+            optimizer = mso.thor(model, frequency=2, **options)
+            model.compile(optimizer=optimizer, loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model, optimizer
+
+    for strategy in (tf.distribute.get_strategy(), two_cpu_strategy):
+        separable, split = separable_pair()
+        initial = separable.get_layer("separable").depthwise_kernel.numpy()
+        separable, optimizer = train(separable, strategy)
+        split, _ = train(split, strategy)
+        assert sorted(optimizer.curvature) == ["head", "separable_depthwise_kernel",
+                                               "separable_pointwise_kernel"]
+        layer = separable.get_layer("separable")
+        assert not np.array_equal(layer.depthwise_kernel.numpy(), initial)
+        for got, want in ((layer.depthwise_kernel, split.get_layer("depthwise").kernel),
+                          (layer.pointwise_kernel, split.get_layer("pointwise").kernel),
+                          (separable.get_layer("head").kernel, split.get_layer("head").kernel)):
+            np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-6,
+                                       err_msg=got.path)
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2,
+                                  data_format="channels_first"), (2, 3, 6, 5)),
+    (keras.layers.SeparableConv2D(4, 3, strides=2, dilation_rate=1), (2, 7, 6, 3)),
+    (keras.layers.SeparableConv1D(4, 3, strides=2, padding="same", depth_multiplier=2),
+     (2, 9, 3)),
+])
+def test_separable_kernel_gradients_are_their_rows_products(layer, shape):
+    """The rows each block of a separable convolution averages multiply to its kernel's
+    gradient: the depthwise kernel's per channel, the pointwise kernel's as a matrix."""
+    from tf_msopt.thor.curvature_blocks import SeparableDepthwiseBlock, conv_patches
+
+    rng = np.random.default_rng(5)
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    layer.build(shape)
+    depthwise_block, pointwise_block = SeparableDepthwiseBlock.blocks_of(layer)
+    seen = {}
+
+    def observe(outputs, pieces):
+        seen["pieces"] = pieces
+        return outputs
+
+    with tf.GradientTape() as tape:
+        y = depthwise_block.capture(layer, layer.call, observe, x)
+        loss = tf.reduce_sum(y * rng.normal(size=y.shape).astype("float32"))
+    delta, *gradients = tape.gradient(loss, [y, layer.depthwise_kernel, layer.pointwise_kernel])
+    (inputs, depthwise_delta), (depthwise_output, _) = seen["pieces"](delta)
+    channels, multiplier = depthwise_block.channels, depthwise_block.g_dim
+    patches = tf.reshape(conv_patches(layer, inputs), [-1, depthwise_block.a_dim, channels])
+    if layer.data_format == "channels_first":
+        depthwise_delta = tf.transpose(depthwise_delta, [0, 2, 3, 1])
+    rows = tf.reshape(depthwise_delta, [-1, channels, multiplier])
+    products = [tf.einsum("rac,rcm->acm", patches, rows),
+                tf.matmul(pointwise_block.input_rows(layer, depthwise_output),
+                          pointwise_block.output_rows(layer, delta), transpose_a=True)]
+    for product, gradient in zip(products, gradients):
+        np.testing.assert_allclose(tf.reshape(product, gradient.shape).numpy(),
+                                   gradient.numpy(), rtol=1e-5, atol=1e-5)

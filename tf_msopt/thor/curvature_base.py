@@ -120,11 +120,14 @@ class CurvatureBlock:
         """The layer whose own variables the blocks of ``layer`` treat."""
         return layer
 
+    #: Whether a layer of this kind has several blocks, one per kernel.
+    per_kernel: ClassVar[bool] = False
+
     @property
     def name(self):
-        """The block's name among the optimizer's state: its layer's, unless the layer has
-        several blocks."""
-        return self.layer
+        """The block's name among the optimizer's state: its layer's, or with several blocks
+        a layer's, its layer's and its kernel's."""
+        return f"{self.layer}_{self.variables[0]}" if self.per_kernel else self.layer
 
     def treated_variables(self, layer):
         return [v for v in compat.own_trainable_variables(self.variable_owner(layer))

@@ -1,7 +1,7 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
 Dense, EinsumDense, Conv1D/Conv2D, Conv1DTranspose/Conv2DTranspose, DepthwiseConv2D,
-Embedding and LayerNormalization layers here, SimpleRNN/GRU/LSTM in
+SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers here, SimpleRNN/GRU/LSTM in
 :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
 :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind is one
 new class decorated with :func:`register`.
@@ -25,6 +25,7 @@ from tf_msopt.thor.recurrent_blocks import RecurrentBlock
 __all__ = ["ConvBlock", "ConvTransposeBlock", "CurvatureBlock", "DenseBlock",
            "DepthwiseConvBlock", "EinsumDenseBlock", "EmbeddingBlock", "KroneckerBlock",
            "LayerNormBlock", "Preconditioning", "REGISTRY", "RecurrentBlock",
+           "SeparableDepthwiseBlock", "SeparablePointwiseBlock",
            "blocks_for", "conv_patches", "from_config", "register"]
 
 
@@ -288,8 +289,12 @@ class DepthwiseConvBlock(KroneckerBlock):
 
     @classmethod
     def from_layer(cls, layer):
-        kh, kw, channels, multiplier = tuple(layer.kernel.shape)
-        return cls(layer.name, (layer.kernel.name,), kh * kw, multiplier, channels)
+        return cls._of_kernel(layer, layer.kernel)
+
+    @classmethod
+    def _of_kernel(cls, layer, kernel):
+        *window, channels, multiplier = tuple(kernel.shape)
+        return cls(layer.name, (kernel.name,), math.prod(window), multiplier, channels)
 
     def a_layout(self, block_size):
         return BlockLayout(self.channels * self.a_dim, self.a_dim, self.channels)
@@ -326,6 +331,62 @@ class DepthwiseConvBlock(KroneckerBlock):
             per_channel = tf.matmul(state.a_inverse, per_channel, transpose_a=state.transpose_a)
         per_channel = tf.matmul(per_channel, state.g_inverse, transpose_b=state.transpose_g)
         return tf.reshape(tf.transpose(per_channel, [1, 0, 2]), tf.shape(gradient))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SeparableDepthwiseBlock(DepthwiseConvBlock):
+    """The depthwise kernel of a ``SeparableConv1D`` / ``SeparableConv2D``: a
+    ``DepthwiseConv2D``'s per-channel factors, ``G_c`` over the gradient of the depthwise
+    output, which is the layer's output gradient through the pointwise kernel. The layer's
+    pointwise kernel is its second block (:class:`SeparablePointwiseBlock`): together they
+    are the ``DepthwiseConv2D`` and the 1x1 ``Conv2D`` the layer computes."""
+
+    kind: ClassVar[str] = "separable_depthwise"
+    layer_types: ClassVar[tuple] = (keras.layers.SeparableConv1D, keras.layers.SeparableConv2D)
+    rule: ClassVar[str] = ("per-channel Kronecker factors A (patch) and G (gradient of the "
+                           "depthwise output)")
+    per_kernel: ClassVar[bool] = True
+
+    @classmethod
+    def blocks_of(cls, layer):
+        return (cls._of_kernel(layer, layer.depthwise_kernel),
+                _kernel_block(SeparablePointwiseBlock, layer, layer.pointwise_kernel))
+
+    def capture(self, layer, call, observe, inputs, *args, **kwargs):
+        def pieces(delta):
+            """Each kernel's ``(inputs, delta)``: the layer's inputs and the gradient of the
+            depthwise output, then the depthwise output and the layer's output gradient."""
+            depthwise = keras.ops.depthwise_conv(
+                inputs, tf.cast(layer.depthwise_kernel, inputs.dtype), layer.strides,
+                layer.padding, layer.data_format, layer.dilation_rate)
+            pointwise = tf.reshape(tf.cast(layer.pointwise_kernel, delta.dtype),
+                                   [-1, layer.filters])
+            channels = "nf...,cf->nc..." if layer.data_format == "channels_first" else (
+                "n...f,cf->n...c")
+            return [(inputs, tf.einsum(channels, delta, pointwise)),
+                    (tf.stop_gradient(depthwise), delta)]
+
+        return super().capture(layer, call, lambda outputs: observe(outputs, pieces), inputs,
+                               *args, **kwargs)
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class SeparablePointwiseBlock(KroneckerBlock):
+    """The pointwise kernel of a separable convolution, a 1x1 convolution of the depthwise
+    output: ``A`` over the depthwise output's positions, ``G`` over the output gradient's
+    (the second block of :class:`SeparableDepthwiseBlock`'s layers)."""
+
+    kind: ClassVar[str] = "separable_pointwise"
+    rule: ClassVar[str] = "Kronecker factors A (depthwise output) and G (output gradient)"
+    per_kernel: ClassVar[bool] = True
+
+    def input_rows(self, layer, inputs):
+        return as_rows(_channels_last(layer, inputs), self.a_dim)
+
+    def output_rows(self, layer, delta):
+        return as_rows(_channels_last(layer, delta), self.g_dim)
 
 
 @register

@@ -55,6 +55,7 @@ class RecurrentBlock(KroneckerBlock):
     cell: str = ""
 
     kind: ClassVar[str] = "recurrent"
+    per_kernel: ClassVar[bool] = True
     layer_types: ClassVar[tuple] = tuple(_CELLS)
     rule: ClassVar[str] = ("Kronecker factors A (its input at each time step) and G (gate "
                            "gradient)")
@@ -84,10 +85,6 @@ class RecurrentBlock(KroneckerBlock):
     @classmethod
     def variable_owner(cls, layer):
         return layer.cell
-
-    @property
-    def name(self):
-        return f"{self.layer}_{self.variables[0]}"
 
     @property
     def recurrent(self):

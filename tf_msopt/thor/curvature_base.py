@@ -94,6 +94,8 @@ class CurvatureBlock:
     layer_types: ClassVar[tuple] = ()
     rule: ClassVar[str] = ""
     has_factors: ClassVar[bool] = True
+    #: Whether a layer of this kind has several blocks, one per kernel.
+    per_kernel: ClassVar[bool] = False
 
     @classmethod
     def refusal(cls, layer, base):
@@ -120,13 +122,10 @@ class CurvatureBlock:
         """The layer whose own variables the blocks of ``layer`` treat."""
         return layer
 
-    #: Whether a layer of this kind has several blocks, one per kernel.
-    per_kernel: ClassVar[bool] = False
-
     @property
     def name(self):
-        """The block's name among the optimizer's state: its layer's, or with several blocks
-        a layer's, its layer's and its kernel's."""
+        """The block's name among the optimizer's state: its layer's, followed by its
+        kernel's where the layer has a block per kernel."""
         return f"{self.layer}_{self.variables[0]}" if self.per_kernel else self.layer
 
     def treated_variables(self, layer):

@@ -1,8 +1,8 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
 Dense, EinsumDense, Conv1D/Conv2D, Conv1DTranspose/Conv2DTranspose, DepthwiseConv2D,
-SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers here, SimpleRNN/GRU/LSTM in
-:mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
+SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers here,
+SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
 :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind is one
 new class decorated with :func:`register`.
 """
@@ -356,15 +356,16 @@ class SeparableDepthwiseBlock(DepthwiseConvBlock):
     def capture(self, layer, call, observe, inputs, *args, **kwargs):
         def pieces(delta):
             """Each kernel's ``(inputs, delta)``: the layer's inputs and the gradient of the
-            depthwise output, then the depthwise output and the layer's output gradient."""
+            depthwise output, then the depthwise output (recomputed: the layer's call keeps
+            it inside one op) and the layer's output gradient."""
             depthwise = keras.ops.depthwise_conv(
                 inputs, tf.cast(layer.depthwise_kernel, inputs.dtype), layer.strides,
                 layer.padding, layer.data_format, layer.dilation_rate)
             pointwise = tf.reshape(tf.cast(layer.pointwise_kernel, delta.dtype),
                                    [-1, layer.filters])
-            channels = "nf...,cf->nc..." if layer.data_format == "channels_first" else (
+            spec = "nf...,cf->nc..." if layer.data_format == "channels_first" else (
                 "n...f,cf->n...c")
-            return [(inputs, tf.einsum(channels, delta, pointwise)),
+            return [(inputs, tf.einsum(spec, delta, pointwise)),
                     (tf.stop_gradient(depthwise), delta)]
 
         return super().capture(layer, call, lambda outputs: observe(outputs, pieces), inputs,

@@ -135,6 +135,21 @@ def run_workers(code, workers=2, timeout=240):
     return results
 
 
+def kernel_gradients(layer, shape, kernels, seed=0, call=None):
+    """``(x, delta, gradients)``: a random input of ``shape``, and the gradients of a random
+    linear function of ``layer``'s output (computed by ``call``, else the layer) with respect
+    to that output and to the layer's variables named ``kernels``."""
+    rng = np.random.default_rng(seed)
+    x = tf.constant(rng.normal(size=shape), tf.float32)
+    if not layer.built:
+        layer.build(shape)
+    with tf.GradientTape() as tape:
+        y = (call or layer)(x)
+        loss = tf.reduce_sum(y * rng.normal(size=y.shape).astype("float32"))
+    delta, *gradients = tape.gradient(loss, [y] + [getattr(layer, name) for name in kernels])
+    return x, delta, gradients
+
+
 def curvature_variables(optimizer, *fields):
     """THOR's state variables ``fields`` (``LayerCurvature`` attributes), field by field, of
     every factored layer that has them, in layer order."""

@@ -73,7 +73,6 @@ def test_report_names_every_variable_and_why():
         keras.layers.Conv2D(4, 3, name="conv"),
         keras.layers.BatchNormalization(name="bn"),
         keras.layers.DepthwiseConv2D(3, name="depthwise"),
-        keras.layers.Conv2D(2, 1, groups=2, name="grouped"),
         keras.layers.Flatten(),
         OwnCallDense(5, name="own_call"),
         keras.layers.LayerNormalization(name="ln"),
@@ -90,7 +89,6 @@ def test_report_names_every_variable_and_why():
                             "ln/beta")))
     reasons = report.first_order
     assert "BatchNormalization" in reasons[model.get_layer("bn").gamma.path]
-    assert "grouped convolution" in reasons[model.get_layer("grouped").kernel.path]
     assert "4 channel(s), A 9x9, G 1x1 each" in text
     assert "overrides call()" in reasons[model.get_layer("own_call").kernel.path]
     assert "kernel only" in reasons[model.get_layer("head").bias.path]

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import curvature_variables
+from helpers import curvature_variables, kernel_gradients
 
 import tf_msopt as mso
 
@@ -105,7 +105,7 @@ def test_resnet50_every_conv_and_dense_kernel_preconditioned():
 
 
 
-# -- transposed and separable convolutions ---------------------------------------------------
+# -- transposed, separable and grouped convolutions ------------------------------------------
 
 IMAGES = np.random.default_rng(6).uniform(size=(48, 8, 8, 1)).astype("float32")
 
@@ -116,6 +116,7 @@ def conv_autoencoder():
         keras.Input((8, 8, 1)),
         keras.layers.Conv2D(4, 3, strides=2, padding="same", activation="tanh", name="down"),
         keras.layers.SeparableConv2D(4, 3, padding="same", activation="tanh", name="middle"),
+        keras.layers.Conv2D(4, 3, padding="same", groups=2, activation="tanh", name="grouped"),
         keras.layers.Conv2DTranspose(3, 3, strides=2, padding="same", activation="tanh",
                                      name="up"),
         keras.layers.Conv2DTranspose(1, 3, padding="same", activation="sigmoid", name="out")])
@@ -134,7 +135,7 @@ def autoencoder_run(steps=6, strategy=None, wrap=None, **compile_options):
     return model, optimizer
 
 
-def test_transposed_and_separable_convolutions_are_kronecker_factored():
+def test_transposed_separable_and_grouped_convolutions_are_kronecker_factored():
     model = conv_autoencoder()
     report = mso.thor(model).report()
     assert_every_variable_reported(model, report)
@@ -145,14 +146,15 @@ def test_transposed_and_separable_convolutions_are_kronecker_factored():
     text = str(report)
     assert "4 channel(s), A 9x9, G 1x1 each" in text               # middle: depthwise
     assert "A 4x4 in 1 block(s), G 4x4 in 1 block(s)" in text       # middle: pointwise
+    assert "2 group(s), A 18x18, G 2x2 each" in text                 # grouped: 3x3x2 in
     assert "A 4x4 in 1 block(s), G 27x27 in 1 block(s)" in text     # up: 4 in, 3x3x3 out
     assert "A 3x3 in 1 block(s), G 9x9 in 1 block(s)" in text       # out: 3 in, 3x3x1 out
 
 
-def test_transposed_and_separable_convolutions_two_replicas_loss_scaling_and_xla(
+def test_convolution_kinds_two_replicas_loss_scaling_and_xla_equal_one_device(
         two_cpu_strategy):
-    """The default on transposed and separable convolutions: two replicas on the global batch inside a
-    LossScaleOptimizer, and an XLA-compiled step, equal one device."""
+    """The default on transposed, separable and grouped convolutions: two replicas on the
+    global batch inside a LossScaleOptimizer, and an XLA-compiled step, equal one device."""
     plain, optimizer = autoencoder_run()
     assert optimizer.curvature["up"].count.numpy() == 6
     mirrored, _ = autoencoder_run(strategy=two_cpu_strategy,
@@ -163,7 +165,7 @@ def test_transposed_and_separable_convolutions_two_replicas_loss_scaling_and_xla
             assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
 
 
-def test_transposed_and_separable_convolutions_resume_exactly(tmp_path):
+def test_convolution_kinds_resume_exactly(tmp_path):
     whole, _ = autoencoder_run()
     model, _ = autoencoder_run(steps=3)
     path = str(tmp_path / "autoencoder.keras")
@@ -257,8 +259,6 @@ def test_separable_kernel_gradients_are_their_rows_products(layer, shape):
     gradient: the depthwise kernel's per channel, the pointwise kernel's as a matrix."""
     from tf_msopt.thor.curvature_blocks import SeparableDepthwiseBlock, conv_patches
 
-    rng = np.random.default_rng(5)
-    x = tf.constant(rng.normal(size=shape), tf.float32)
     layer.build(shape)
     depthwise_block, pointwise_block = SeparableDepthwiseBlock.blocks_of(layer)
     seen = {}
@@ -267,10 +267,9 @@ def test_separable_kernel_gradients_are_their_rows_products(layer, shape):
         seen["pieces"] = pieces
         return outputs
 
-    with tf.GradientTape() as tape:
-        y = depthwise_block.capture(layer, layer.call, observe, x)
-        loss = tf.reduce_sum(y * rng.normal(size=y.shape).astype("float32"))
-    delta, *gradients = tape.gradient(loss, [y, layer.depthwise_kernel, layer.pointwise_kernel])
+    _, delta, gradients = kernel_gradients(
+        layer, shape, ["depthwise_kernel", "pointwise_kernel"], seed=5,
+        call=lambda x: depthwise_block.capture(layer, layer.call, observe, x))
     (inputs, depthwise_delta), (depthwise_output, _) = seen["pieces"](delta)
     channels, multiplier = depthwise_block.channels, depthwise_block.g_dim
     patches = tf.reshape(conv_patches(layer, inputs), [-1, depthwise_block.a_dim, channels])
@@ -283,3 +282,59 @@ def test_separable_kernel_gradients_are_their_rows_products(layer, shape):
     for product, gradient in zip(products, gradients):
         np.testing.assert_allclose(tf.reshape(product, gradient.shape).numpy(),
                                    gradient.numpy(), rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_convolution_with_a_channel_per_group_trains_as_depthwise():
+    """A Conv2D with one input channel per group is a DepthwiseConv2D: the same weights
+    under the default."""
+    rng = np.random.default_rng(8)
+    x, y = rng.normal(size=(32, 6, 6, 3)), rng.normal(size=(32, 2))
+
+    def train(convolution):
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((6, 6, 3)), convolution, keras.layers.Flatten(),
+                                  keras.layers.Dense(2, name="head")])
+        return model
+
+    depthwise = train(keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2,
+                                                   activation="tanh", name="conv"))
+    grouped = train(keras.layers.Conv2D(6, 3, strides=2, groups=3, activation="tanh",
+                                        name="conv"))
+    kernel, bias = depthwise.get_layer("conv").get_weights()
+    grouped.get_layer("conv").set_weights([kernel.reshape(3, 3, 1, 6), bias])
+    grouped.get_layer("head").set_weights(depthwise.get_layer("head").get_weights())
+    for model in (depthwise, grouped):
+        model.compile(optimizer=mso.thor(model, frequency=2), loss="mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    np.testing.assert_allclose(grouped.get_layer("conv").kernel.numpy(),
+                               depthwise.get_layer("conv").kernel.numpy().reshape(3, 3, 1, 6),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(grouped.get_layer("head").kernel.numpy(),
+                               depthwise.get_layer("head").kernel.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("layer, shape", [
+    (keras.layers.Conv2D(6, (3, 2), strides=2, padding="same", groups=2), (2, 7, 6, 4)),
+    (keras.layers.Conv1D(4, 3, padding="causal", groups=2, dilation_rate=2), (2, 9, 6)),
+])
+def test_grouped_kernel_gradient_is_each_groups_rows_product(layer, shape):
+    """Each group's patches times its output gradient is its slice of the kernel's gradient,
+    and the group's factors average those rows."""
+    from tf_msopt.thor.curvature_blocks import GroupedConvBlock, conv_patches
+
+    x, delta, (gradient,) = kernel_gradients(layer, shape, ["kernel"], seed=9)
+    block = GroupedConvBlock.from_layer(layer)
+    groups, group_channels = block.channels, block.group_channels
+    patches = tf.reshape(conv_patches(layer, x), [-1, block.a_dim // group_channels, groups,
+                                                  group_channels])
+    patches = tf.reshape(tf.transpose(patches, [0, 2, 1, 3]), [-1, groups, block.a_dim])
+    rows = tf.reshape(delta, [-1, groups, block.g_dim])
+    product = tf.einsum("rca,rcg->acg", patches, rows)
+    np.testing.assert_allclose(tf.reshape(product, gradient.shape).numpy(), gradient.numpy(),
+                               rtol=1e-5, atol=1e-5)
+    a, g, count = block.statistics(layer, x, delta, None)
+    np.testing.assert_allclose(a.numpy(), tf.einsum("rca,rcb->cab", patches, patches).numpy(),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(g.numpy(), tf.einsum("rca,rcb->cab", rows, rows).numpy(),
+                               rtol=1e-5, atol=1e-5)
+    assert count == patches.shape[0]

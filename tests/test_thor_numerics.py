@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import thor_reference as ref
+from helpers import kernel_gradients
 
 import tf_msopt as mso
 from tf_msopt.ops._loader import DISABLE_ENV
@@ -540,13 +541,7 @@ def test_conv_transpose_gradient_is_input_rows_times_output_rows(layer, shape):
     the output gradient's patches, in the kernel's layout: the rows its factors average."""
     from tf_msopt.thor.curvature_blocks import ConvTransposeBlock
 
-    rng = np.random.default_rng(4)
-    x = tf.constant(rng.normal(size=shape), tf.float32)
-    layer.build(shape)
-    with tf.GradientTape(persistent=True) as tape:
-        y = layer(x)
-        loss = tf.reduce_sum(y * rng.normal(size=y.shape).astype("float32"))
-    delta, kernel_gradient = tape.gradient(loss, [y, layer.kernel])
+    x, delta, (kernel_gradient,) = kernel_gradients(layer, shape, ["kernel"], seed=4)
     block = ConvTransposeBlock.from_layer(layer)
     inputs, patches = block.input_rows(layer, x), block.output_rows(layer, delta)
     assert inputs.shape[0] == patches.shape[0] == shape[0] * int(

@@ -24,8 +24,8 @@ statistics to its layers.
 - ``curvature_base.py``: the base of the curvature blocks and the registry from
   Keras layer types to them;
 - ``curvature_blocks.py``: one curvature block per layer kind (Dense,
-  EinsumDense, Conv1D/2D, their transposes, DepthwiseConv2D, SeparableConv1D/2D,
-  Embedding, LayerNormalization);
+  EinsumDense, Conv1D/2D (grouped too), their transposes, DepthwiseConv2D,
+  SeparableConv1D/2D, Embedding, LayerNormalization);
 - ``block_diagonal.py``: block-diagonal factor math (damped inverses that never
   go non-finite, block products);
 - ``connection.py``: the connection to a model (patched layers, statistics

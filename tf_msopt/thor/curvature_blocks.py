@@ -1,10 +1,10 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
-Dense, EinsumDense, Conv1D/Conv2D, Conv1DTranspose/Conv2DTranspose, DepthwiseConv2D,
-SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers here,
-SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the registry are in
-:mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind is one
-new class decorated with :func:`register`.
+Dense, EinsumDense, Conv1D/Conv2D (grouped too), Conv1DTranspose/Conv2DTranspose,
+DepthwiseConv2D, SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers
+here, SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the
+registry are in :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind
+is one new class decorated with :func:`register`.
 """
 import dataclasses
 import math
@@ -23,8 +23,8 @@ from tf_msopt.thor.curvature_base import (REGISTRY, CurvatureBlock, KroneckerBlo
 from tf_msopt.thor.recurrent_blocks import RecurrentBlock
 
 __all__ = ["ConvBlock", "ConvTransposeBlock", "CurvatureBlock", "DenseBlock",
-           "DepthwiseConvBlock", "EinsumDenseBlock", "EmbeddingBlock", "KroneckerBlock",
-           "LayerNormBlock", "Preconditioning", "REGISTRY", "RecurrentBlock",
+           "DepthwiseConvBlock", "EinsumDenseBlock", "EmbeddingBlock", "GroupedConvBlock",
+           "KroneckerBlock", "LayerNormBlock", "Preconditioning", "REGISTRY", "RecurrentBlock",
            "SeparableDepthwiseBlock", "SeparablePointwiseBlock",
            "blocks_for", "conv_patches", "from_config", "register"]
 
@@ -216,15 +216,10 @@ class ConvBlock(KroneckerBlock):
     rule: ClassVar[str] = "Kronecker factors A (patches) and G (output gradient)"
 
     @classmethod
-    def refusal(cls, layer, base):
-        reason = super().refusal(layer, base)
-        if reason is None and layer.groups != 1:
-            reason = f"grouped convolution (groups={layer.groups})"
-        return reason
-
-    @classmethod
-    def from_layer(cls, layer):
-        return _kernel_block(cls, layer, layer.kernel)
+    def blocks_of(cls, layer):
+        if layer.groups != 1:
+            return (GroupedConvBlock.from_layer(layer),)
+        return (_kernel_block(cls, layer, layer.kernel),)
 
     def input_rows(self, layer, inputs):
         return conv_patches(layer, inputs)
@@ -277,11 +272,14 @@ class DepthwiseConvBlock(KroneckerBlock):
     (factors are per channel, never split further by ``block_size``).
 
     Attributes:
-        channels: input channels (one factor pair each); ``a_dim = kh*kw``,
-            ``g_dim = depth_multiplier``.
+        channels: the groups of input channels with a factor pair each: a depthwise layer's
+            input channels (``a_dim = kh*kw``, ``g_dim = depth_multiplier``), a grouped
+            convolution's groups.
+        group_channels: input channels per group (1 for a depthwise layer).
     """
 
     channels: int = 1
+    group_channels: int = 1
 
     kind: ClassVar[str] = "depthwise_conv"
     layer_types: ClassVar[tuple] = (keras.layers.DepthwiseConv2D,)
@@ -311,10 +309,14 @@ class DepthwiseConvBlock(KroneckerBlock):
                 f"G {self.g_dim}x{self.g_dim} each")
 
     def statistics(self, layer, inputs, delta, block_size):
-        patches = tf.reshape(conv_patches(layer, inputs), [-1, self.a_dim, self.channels])
+        # Patch entries (window position w, input channel i of group c), as the kernel's.
+        window = self.a_dim // self.group_channels
+        patches = tf.reshape(conv_patches(layer, inputs),
+                             [-1, window, self.channels, self.group_channels])
         delta = tf.reshape(tf.cast(_channels_last(layer, delta), tf.float32),
                            [-1, self.channels, self.g_dim])
-        a = tf.einsum("rac,rbc->cab", patches, patches)
+        a = tf.reshape(tf.einsum("rwci,rvcj->cwivj", patches, patches),
+                       [self.channels, self.a_dim, self.a_dim])
         g = tf.einsum("rca,rcb->cab", delta, delta)
         return a, g, tf.cast(tf.shape(delta)[0], tf.float32)
 
@@ -331,6 +333,28 @@ class DepthwiseConvBlock(KroneckerBlock):
             per_channel = tf.matmul(state.a_inverse, per_channel, transpose_a=state.transpose_a)
         per_channel = tf.matmul(per_channel, state.g_inverse, transpose_b=state.transpose_g)
         return tf.reshape(tf.transpose(per_channel, [1, 0, 2]), tf.shape(gradient))
+
+
+@register
+@dataclasses.dataclass(frozen=True)
+class GroupedConvBlock(DepthwiseConvBlock):
+    """A ``Conv1D`` / ``Conv2D`` with ``groups > 1`` (ConvNeXt's depthwise convolutions,
+    ResNeXt's and RegNet's grouped ones): each group its own Kronecker pair, ``A_c`` over the
+    patches of its input channels and ``G_c`` over its outputs, as a ``DepthwiseConv2D``'s
+    channels (``channels``: the groups)."""
+
+    kind: ClassVar[str] = "grouped_conv"
+    rule: ClassVar[str] = "per-group Kronecker factors A (patches) and G (output gradient)"
+
+    @classmethod
+    def from_layer(cls, layer):
+        *window, group_channels, filters = tuple(layer.kernel.shape)
+        return cls(layer.name, (layer.kernel.name,), math.prod(window) * group_channels,
+                   filters // layer.groups, layer.groups, group_channels)
+
+    def describe(self, block_size):
+        return (f"{self.rule}; {self.channels} group(s), A {self.a_dim}x{self.a_dim}, "
+                f"G {self.g_dim}x{self.g_dim} each")
 
 
 @register

@@ -104,6 +104,25 @@ def test_resnet50_every_conv_and_dense_kernel_preconditioned():
     assert int(optimizer.failed_inverses.numpy()) == 0
 
 
+@pytest.mark.parametrize("application, size, has", [
+    ("ConvNeXtTiny", 32, lambda layer: isinstance(layer, keras.layers.Conv2D) and layer.groups > 1),
+    ("Xception", 71, lambda layer: isinstance(layer, keras.layers.SeparableConv2D))])
+def test_applications_with_grouped_or_separable_convolutions_fully_preconditioned(
+        application, size, has):
+    """ConvNeXt's depthwise convolutions (grouped Conv2D) and Xception's separable ones are
+    preconditioned with every other convolution and Dense kernel."""
+    model = getattr(keras.applications, application)(weights=None, input_shape=(size, size, 3),
+                                                     classes=4)
+    report = mso.thor(model).report()
+    assert_every_variable_reported(model, report)
+    layers = [layer for layer in model._flatten_layers()
+              if isinstance(layer, (keras.layers.Conv2D, keras.layers.SeparableConv2D,
+                                    keras.layers.Dense))]
+    assert any(has(layer) for layer in layers)
+    kernel_paths = sorted(v.path for layer in layers for v in layer.trainable_variables
+                          if v.name.endswith("kernel"))
+    assert kernel_paths == sorted(p for p in report.preconditioned if p.endswith("kernel"))
+
 
 # -- transposed, separable and grouped convolutions ------------------------------------------
 
@@ -316,14 +335,16 @@ def test_grouped_convolution_with_a_channel_per_group_trains_as_depthwise():
 @pytest.mark.parametrize("layer, shape", [
     (keras.layers.Conv2D(6, (3, 2), strides=2, padding="same", groups=2), (2, 7, 6, 4)),
     (keras.layers.Conv1D(4, 3, padding="causal", groups=2, dilation_rate=2), (2, 9, 6)),
+    (keras.layers.DepthwiseConv1D(3, strides=2, padding="same", depth_multiplier=2), (2, 9, 3)),
 ])
 def test_grouped_kernel_gradient_is_each_groups_rows_product(layer, shape):
     """Each group's patches times its output gradient is its slice of the kernel's gradient,
-    and the group's factors average those rows."""
-    from tf_msopt.thor.curvature_blocks import GroupedConvBlock, conv_patches
+    and the group's factors average those rows (a depthwise layer: a group per channel)."""
+    from tf_msopt.thor.curvature_blocks import blocks_for, conv_patches
 
     x, delta, (gradient,) = kernel_gradients(layer, shape, ["kernel"], seed=9)
-    block = GroupedConvBlock.from_layer(layer)
+    (block,), reason, _ = blocks_for(layer)
+    assert reason is None
     groups, group_channels = block.channels, block.group_channels
     patches = tf.reshape(conv_patches(layer, x), [-1, block.a_dim // group_channels, groups,
                                                   group_channels])

@@ -1,7 +1,7 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
 Dense, EinsumDense, Conv1D/Conv2D (grouped too), Conv1DTranspose/Conv2DTranspose,
-DepthwiseConv2D, SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers
+DepthwiseConv1D/DepthwiseConv2D, SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers
 here, SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the
 registry are in :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind
 is one new class decorated with :func:`register`.
@@ -267,8 +267,8 @@ class ConvTransposeBlock(KroneckerBlock):
 @register
 @dataclasses.dataclass(frozen=True)
 class DepthwiseConvBlock(KroneckerBlock):
-    """``keras.layers.DepthwiseConv2D``: each input channel its own Kronecker pair, ``A_c``
-    over its ``kh*kw`` patch entries and ``G_c`` over its ``depth_multiplier`` outputs
+    """``DepthwiseConv2D`` / ``DepthwiseConv1D``: each input channel its own Kronecker pair,
+    ``A_c`` over its ``kh*kw`` patch entries and ``G_c`` over its ``depth_multiplier`` outputs
     (factors are per channel, never split further by ``block_size``).
 
     Attributes:
@@ -282,7 +282,7 @@ class DepthwiseConvBlock(KroneckerBlock):
     group_channels: int = 1
 
     kind: ClassVar[str] = "depthwise_conv"
-    layer_types: ClassVar[tuple] = (keras.layers.DepthwiseConv2D,)
+    layer_types: ClassVar[tuple] = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
     rule: ClassVar[str] = "per-channel Kronecker factors A (patch) and G (output gradient)"
 
     @classmethod

@@ -359,3 +359,46 @@ def test_grouped_kernel_gradient_is_each_groups_rows_product(layer, shape):
     np.testing.assert_allclose(g.numpy(), tf.einsum("rca,rcb->cab", rows, rows).numpy(),
                                rtol=1e-5, atol=1e-5)
     assert count == patches.shape[0]
+
+
+def volume_model(dilation=1, size=6):
+    """A 3D autoencoder: stride 2, or (Keras allows one or the other) dilation 2."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((size, size, size, 1)),
+        keras.layers.Conv3D(3, 3, strides=3 - dilation, padding="same", dilation_rate=dilation,
+                            activation="tanh", name="down"),
+        keras.layers.Conv3DTranspose(1, 3, strides=3 - dilation, padding="same",
+                                     activation="sigmoid", name="up")])
+
+
+def test_3d_convolutions_two_replicas_equal_one_device(two_cpu_strategy):
+    """Conv3D and Conv3DTranspose kernels are Kronecker-factored; the default trains them
+    alike on one device and on two replicas."""
+    x = np.random.default_rng(10).uniform(size=(32, 6, 6, 6, 1)).astype("float32")
+
+    def train(strategy):
+        with strategy.scope():
+            model = volume_model()
+            optimizer = mso.thor(model, frequency=2)
+            model.compile(optimizer=optimizer, loss="binary_crossentropy")
+        model.fit(x, x, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model, optimizer
+
+    plain, optimizer = train(tf.distribute.get_strategy())
+    assert sorted(optimizer.report().preconditioned) == kernels(
+        plain, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))
+    assert optimizer.curvature["up"].count.numpy() == 4
+    mirrored, _ = train(two_cpu_strategy)
+    for got, want in zip(mirrored.get_weights(), plain.get_weights()):
+        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+
+
+def test_dilated_3d_convolution_over_unknown_sizes_is_first_order():
+    """With spatial sizes unknown until the step, a dilated Conv3D's patches would need
+    TensorFlow's volume patches, which have no dilation: it says so and stays first order."""
+    model = volume_model(dilation=2, size=None)
+    report = mso.thor(model).report()
+    assert "dilated 3D convolution over inputs of unknown size" in report.first_order[
+        model.get_layer("down").kernel.path]
+    assert model.get_layer("up").kernel.path in report.preconditioned

@@ -498,6 +498,8 @@ def test_model_zoo_schedules():
     (keras.layers.Conv2D(3, 1, strides=2, padding="valid"), (2, 7, 6, 2)),
     (keras.layers.Conv2D(3, 7, strides=2, padding="same"), (2, 12, 11, 3)),
     (keras.layers.Conv2D(3, 3, strides=3, padding="valid", dilation_rate=1), (1, 5, 4, 2)),
+    (keras.layers.Conv3D(3, (3, 2, 2), strides=(2, 1, 2), padding="same"), (2, 5, 6, 5, 2)),
+    (keras.layers.Conv3D(3, 2, padding="valid", dilation_rate=(2, 1, 2)), (1, 5, 4, 5, 2)),
 ])
 def test_conv_patches_reproduce_the_convolution(layer, shape):
     """patches @ kernel.reshape(-1, filters) is the layer's output: rows in kernel order."""
@@ -535,6 +537,8 @@ _WITH_ONEDNN = pytest.mark.skipif(os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0"
                                               data_format="channels_first"), (2, 3, 4, 3),
                  marks=_WITH_ONEDNN),
     (keras.layers.Conv1DTranspose(4, 3, strides=2, padding="valid"), (2, 5, 3)),
+    (keras.layers.Conv3DTranspose(2, (3, 2, 2), strides=(2, 1, 2), padding="same"),
+     (2, 3, 4, 3, 3)),
 ])
 def test_conv_transpose_gradient_is_input_rows_times_output_rows(layer, shape):
     """A transposed convolution's kernel gradient is ``x^T p`` over its input positions, ``p``
@@ -555,10 +559,12 @@ def test_conv_transpose_gradient_is_input_rows_times_output_rows(layer, shape):
     (keras.layers.Conv2D(2, 3, strides=2, padding="same", dilation_rate=1), (2, 7, 6, 2)),
     (keras.layers.Conv2D(2, 3, padding="valid", dilation_rate=2), (2, 7, 6, 2)),
     (keras.layers.Conv1D(2, 3, padding="causal"), (2, 9, 2)),
+    (keras.layers.Conv3D(2, (3, 2, 3), strides=(2, 1, 2), padding="same"), (2, 5, 4, 6, 2)),
 ])
 def test_conv_patches_gather_equals_extract_patches(layer, shape):
     """Static sizes gather the patches; unknown ones (a traced input without them) use
-    ``tf.image.extract_patches``: the same rows, exactly."""
+    ``tf.image.extract_patches`` (``tf.extract_volume_patches`` in 3D): the same rows,
+    exactly."""
     from tf_msopt.thor.curvature_blocks import conv_patches
 
     x = tf.constant(np.random.default_rng(3).normal(size=shape), tf.float32)
@@ -568,8 +574,9 @@ def test_conv_patches_gather_equals_extract_patches(layer, shape):
     static = tf.function(lambda v: conv_patches(layer, v))
     unknown_ops = {op.type for op in traced.get_concrete_function().graph.get_operations()}
     static_ops = {op.type for op in static.get_concrete_function(x).graph.get_operations()}
-    assert "ExtractImagePatches" in unknown_ops and "GatherV2" not in unknown_ops
-    assert "GatherV2" in static_ops and "ExtractImagePatches" not in static_ops
+    extract = "ExtractVolumePatches" if layer.rank == 3 else "ExtractImagePatches"
+    assert extract in unknown_ops and "GatherV2" not in unknown_ops
+    assert "GatherV2" in static_ops and extract not in static_ops
     np.testing.assert_array_equal(static(x).numpy(), traced(x).numpy())
 
 

@@ -24,7 +24,7 @@ statistics to its layers.
 - ``curvature_base.py``: the base of the curvature blocks and the registry from
   Keras layer types to them;
 - ``curvature_blocks.py``: one curvature block per layer kind (Dense,
-  EinsumDense, Conv1D/2D (grouped too), their transposes, DepthwiseConv1D/2D,
+  EinsumDense, Conv1D/2D/3D (grouped too), their transposes, DepthwiseConv1D/2D,
   SeparableConv1D/2D, Embedding, LayerNormalization);
 - ``block_diagonal.py``: block-diagonal factor math (damped inverses that never
   go non-finite, block products);

@@ -1,8 +1,8 @@
 """Curvature blocks: one class per layer kind THOR preconditions.
 
-Dense, EinsumDense, Conv1D/Conv2D (grouped too), Conv1DTranspose/Conv2DTranspose,
-DepthwiseConv1D/DepthwiseConv2D, SeparableConv1D/SeparableConv2D, Embedding and LayerNormalization layers
-here, SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the
+Dense, EinsumDense, Conv1D/2D/3D (grouped too), Conv1DTranspose/2D/3D,
+DepthwiseConv1D/2D, SeparableConv1D/2D, Embedding and LayerNormalization layers here,
+SimpleRNN/GRU/LSTM in :mod:`tf_msopt.thor.recurrent_blocks`; the base classes and the
 registry are in :mod:`tf_msopt.thor.curvature_base` (re-exported here). Adding a layer kind
 is one new class decorated with :func:`register`.
 """
@@ -165,13 +165,26 @@ def _patch_axis(size, kernel, stride, dilation, padding):
     return (size - extent) // stride + 1, 0, 0
 
 
+def _volume_patches_refusal(layer):
+    """Why a 3D convolution's patches cannot be taken, or None: with spatial sizes unknown
+    until the step, they come from ``tf.extract_volume_patches``, which has no dilation."""
+    shape = (layer.get_build_config() or {}).get("input_shape")
+    if layer.rank != 3 or max(layer.dilation_rate) == 1 or shape is None:
+        return None
+    spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
+    if None in spatial:
+        return "dilated 3D convolution over inputs of unknown size"
+    return None
+
+
 def conv_patches(layer, inputs):
-    """The patches ``layer`` multiplies with its kernel, ``[N*Ho*Wo, kh*kw*cin]``, in the
-    row order of ``kernel.reshape(-1, filters)`` (``[..., kh*kw, cin]`` flattened).
+    """The patches ``layer`` multiplies with its kernel, ``[N*Ho*Wo, kh*kw*cin]`` (and a
+    depth axis in 3D), in the row order of ``kernel.reshape(-1, filters)`` (``[..., kh*kw,
+    cin]`` flattened).
 
     With static spatial sizes, one gather of the padded input's positions at constant
     indices (on CPU faster than ``tf.image.extract_patches`` at THOR's shapes,
-    docs/performance.md); otherwise ``extract_patches``."""
+    docs/performance.md); otherwise ``extract_patches`` (``extract_volume_patches`` in 3D)."""
     x = tf.cast(_channels_last(layer, inputs), tf.float32)
     kernel_size, strides, dilation = (list(layer.kernel_size), list(layer.strides),
                                       list(layer.dilation_rate))
@@ -182,27 +195,35 @@ def conv_patches(layer, inputs):
     if layer.rank == 1:
         x = x[:, tf.newaxis]
         kernel_size, strides, dilation = [1] + kernel_size, [1] + strides, [1] + dilation
-    spatial, channels = x.shape[1:3], x.shape[-1]
+    spatial, channels = x.shape[1:-1], x.shape[-1]
     if None in spatial or channels is None:
-        patches = tf.image.extract_patches(x, sizes=[1] + kernel_size + [1],
-                                           strides=[1] + strides + [1],
-                                           rates=[1] + dilation + [1],
-                                           padding=padding.upper())
+        if len(spatial) == 3:      # no dilation (:func:`_volume_patches_refusal`)
+            patches = tf.extract_volume_patches(x, [1] + kernel_size + [1],
+                                                [1] + strides + [1], padding.upper())
+        else:
+            patches = tf.image.extract_patches(x, sizes=[1] + kernel_size + [1],
+                                               strides=[1] + strides + [1],
+                                               rates=[1] + dilation + [1],
+                                               padding=padding.upper())
         return tf.reshape(patches, [-1, patches.shape[-1]])
     axes = [_patch_axis(size, k, s, d, padding)
             for size, k, s, d in zip(spatial, kernel_size, strides, dilation)]
     if any(before or after for _, before, after in axes):
         x = tf.pad(x, [[0, 0]] + [[before, after] for _, before, after in axes] + [[0, 0]])
-    (rows, _, _), (columns, _, _) = axes
-    width = x.shape[2]
-    # Flat position of (output row, output column, kernel row, kernel column).
-    row = (np.arange(rows) * strides[0])[:, None, None, None] + (
-        np.arange(kernel_size[0]) * dilation[0])[None, None, :, None]
-    column = (np.arange(columns) * strides[1])[None, :, None, None] + (
-        np.arange(kernel_size[1]) * dilation[1])[None, None, None, :]
-    positions = (row * width + column).reshape(-1).astype(np.int32)
-    patches = tf.gather(tf.reshape(x, [-1, x.shape[1] * width, channels]), positions, axis=1)
-    return tf.reshape(patches, [-1, kernel_size[0] * kernel_size[1] * channels])
+    padded = x.shape[1:-1]
+    # Flat position of (output position..., kernel offset...): each spatial axis adds its
+    # index times the padded sizes after it.
+    dims, positions, step = len(padded), 0, 1
+    for axis in reversed(range(dims)):
+        index = ((np.arange(axes[axis][0]) * strides[axis])[:, None]
+                 + (np.arange(kernel_size[axis]) * dilation[axis])[None, :])
+        shape = [1] * (2 * dims)
+        shape[axis], shape[dims + axis] = index.shape
+        positions = positions + index.reshape(shape) * step
+        step *= padded[axis]
+    positions = np.reshape(positions, -1).astype(np.int32)
+    patches = tf.gather(tf.reshape(x, [-1, step, channels]), positions, axis=1)
+    return tf.reshape(patches, [-1, math.prod(kernel_size) * channels])
 
 
 @register
@@ -212,8 +233,13 @@ class ConvBlock(KroneckerBlock):
     with its kernel (its padding, strides and dilation), ``G`` over output positions."""
 
     kind: ClassVar[str] = "conv"
-    layer_types: ClassVar[tuple] = (keras.layers.Conv1D, keras.layers.Conv2D)
+    layer_types: ClassVar[tuple] = (keras.layers.Conv1D, keras.layers.Conv2D,
+                                    keras.layers.Conv3D)
     rule: ClassVar[str] = "Kronecker factors A (patches) and G (output gradient)"
+
+    @classmethod
+    def refusal(cls, layer, base):
+        return super().refusal(layer, base) or _volume_patches_refusal(layer)
 
     @classmethod
     def blocks_of(cls, layer):
@@ -239,9 +265,14 @@ class ConvTransposeBlock(KroneckerBlock):
     ``G = E[p p^T]`` over the output gradient's patches."""
 
     kind: ClassVar[str] = "conv_transpose"
-    layer_types: ClassVar[tuple] = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose)
+    layer_types: ClassVar[tuple] = (keras.layers.Conv1DTranspose, keras.layers.Conv2DTranspose,
+                                    keras.layers.Conv3DTranspose)
     rule: ClassVar[str] = ("Kronecker factors A (input) and G (patches of the output "
                            "gradient)")
+
+    @classmethod
+    def refusal(cls, layer, base):
+        return super().refusal(layer, base) or _volume_patches_refusal(layer)
 
     @classmethod
     def from_layer(cls, layer):

@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from helpers import curvature_variables, kernel_gradients
+from test_thor_training import assert_weights_close
 
 import tf_msopt as mso
 
@@ -141,15 +142,16 @@ def conv_autoencoder():
         keras.layers.Conv2DTranspose(1, 3, padding="same", activation="sigmoid", name="out")])
 
 
-def autoencoder_run(steps=6, strategy=None, wrap=None, **compile_options):
-    """The default THOR (refresh every 2 steps) on :func:`conv_autoencoder`, ``steps``
-    batches of 8."""
+def autoencoder_run(steps=6, strategy=None, wrap=None, build=conv_autoencoder, images=IMAGES,
+                    **compile_options):
+    """The default THOR (refresh every 2 steps) on the autoencoder ``build()``, ``steps``
+    batches of 8 ``images``."""
     with (strategy or tf.distribute.get_strategy()).scope():
-        model = conv_autoencoder()
+        model = build()
         optimizer = mso.thor(model, frequency=2)
         model.compile(optimizer=optimizer if wrap is None else wrap(optimizer),
                       loss="binary_crossentropy", **compile_options)
-    x = IMAGES[:8 * steps]
+    x = images[:8 * steps]
     model.fit(x, x, batch_size=8, epochs=1, shuffle=False, verbose=0)
     return model, optimizer
 
@@ -180,8 +182,7 @@ def test_convolution_kinds_two_replicas_loss_scaling_and_xla_equal_one_device(
                                   wrap=lambda o: mso.LossScaleOptimizer(o, 2.0 ** 8))
     compiled, _ = autoencoder_run(jit_compile=True)
     for other in (mirrored, compiled):
-        for got, want in zip(other.get_weights(), plain.get_weights()):
-            assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+        assert_weights_close(other.get_weights(), plain.get_weights(), rtol=1e-5)
 
 
 def test_convolution_kinds_resume_exactly(tmp_path):
@@ -198,7 +199,7 @@ def test_convolution_kinds_resume_exactly(tmp_path):
         np.testing.assert_array_equal(got.numpy(), want.numpy(), err_msg=got.path)
 
 
-# -- separable convolutions -----------------------------------------------------------------
+# -- each convolution kind against an equivalent one, and its rows against its gradient -----
 
 def separable_pair(seed=0):
     """A SeparableConv2D model and the same computation as a DepthwiseConv2D and a 1x1
@@ -309,16 +310,15 @@ def test_grouped_convolution_with_a_channel_per_group_trains_as_depthwise():
     rng = np.random.default_rng(8)
     x, y = rng.normal(size=(32, 6, 6, 3)), rng.normal(size=(32, 2))
 
-    def train(convolution):
+    def model_with(convolution):
         keras.utils.set_random_seed(0)
-        model = keras.Sequential([keras.Input((6, 6, 3)), convolution, keras.layers.Flatten(),
-                                  keras.layers.Dense(2, name="head")])
-        return model
+        return keras.Sequential([keras.Input((6, 6, 3)), convolution, keras.layers.Flatten(),
+                                 keras.layers.Dense(2, name="head")])
 
-    depthwise = train(keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2,
-                                                   activation="tanh", name="conv"))
-    grouped = train(keras.layers.Conv2D(6, 3, strides=2, groups=3, activation="tanh",
-                                        name="conv"))
+    depthwise = model_with(keras.layers.DepthwiseConv2D(3, strides=2, depth_multiplier=2,
+                                                        activation="tanh", name="conv"))
+    grouped = model_with(keras.layers.Conv2D(6, 3, strides=2, groups=3, activation="tanh",
+                                             name="conv"))
     kernel, bias = depthwise.get_layer("conv").get_weights()
     grouped.get_layer("conv").set_weights([kernel.reshape(3, 3, 1, 6), bias])
     grouped.get_layer("head").set_weights(depthwise.get_layer("head").get_weights())
@@ -375,23 +375,13 @@ def volume_model(dilation=1, size=6):
 def test_3d_convolutions_two_replicas_equal_one_device(two_cpu_strategy):
     """Conv3D and Conv3DTranspose kernels are Kronecker-factored; the default trains them
     alike on one device and on two replicas."""
-    x = np.random.default_rng(10).uniform(size=(32, 6, 6, 6, 1)).astype("float32")
-
-    def train(strategy):
-        with strategy.scope():
-            model = volume_model()
-            optimizer = mso.thor(model, frequency=2)
-            model.compile(optimizer=optimizer, loss="binary_crossentropy")
-        model.fit(x, x, batch_size=8, epochs=1, shuffle=False, verbose=0)
-        return model, optimizer
-
-    plain, optimizer = train(tf.distribute.get_strategy())
+    volumes = np.random.default_rng(10).uniform(size=(32, 6, 6, 6, 1)).astype("float32")
+    plain, optimizer = autoencoder_run(4, build=volume_model, images=volumes)
     assert sorted(optimizer.report().preconditioned) == kernels(
         plain, (keras.layers.Conv3D, keras.layers.Conv3DTranspose))
     assert optimizer.curvature["up"].count.numpy() == 4
-    mirrored, _ = train(two_cpu_strategy)
-    for got, want in zip(mirrored.get_weights(), plain.get_weights()):
-        assert np.linalg.norm(got - want) <= 1e-5 * np.linalg.norm(want)
+    mirrored, _ = autoencoder_run(4, two_cpu_strategy, build=volume_model, images=volumes)
+    assert_weights_close(mirrored.get_weights(), plain.get_weights(), rtol=1e-5)
 
 
 def test_dilated_3d_convolution_over_unknown_sizes_is_first_order():

@@ -34,9 +34,14 @@ def _kernel_block(cls, layer, kernel):
     return cls(layer.name, (kernel.name,), math.prod(shape[:-1]), shape[-1])
 
 
+def _built_input_shape(layer):
+    """The input shape ``layer`` was built for (None if unknown)."""
+    return (layer.get_build_config() or {}).get("input_shape")
+
+
 def _built_rank(layer):
     """The rank of the input ``layer`` was built for (0 if unknown)."""
-    shape = (layer.get_build_config() or {}).get("input_shape")
+    shape = _built_input_shape(layer)
     return 0 if shape is None else len(shape)
 
 
@@ -155,6 +160,11 @@ def _channels_last(layer, tensor):
     return tensor
 
 
+def _channel_rows(layer, tensor, width):
+    """``tensor`` (in ``layer``'s data format) as rows of its channels, ``[rows, width]``."""
+    return as_rows(_channels_last(layer, tensor), width)
+
+
 def _patch_axis(size, kernel, stride, dilation, padding):
     """``(outputs, pad_before, pad_after)`` of one spatial axis, as TensorFlow pads it."""
     extent = (kernel - 1) * dilation + 1
@@ -168,7 +178,7 @@ def _patch_axis(size, kernel, stride, dilation, padding):
 def _volume_patches_refusal(layer):
     """Why a 3D convolution's patches cannot be taken, or None: with spatial sizes unknown
     until the step, they come from ``tf.extract_volume_patches``, which has no dilation."""
-    shape = (layer.get_build_config() or {}).get("input_shape")
+    shape = _built_input_shape(layer)
     if layer.rank != 3 or max(layer.dilation_rate) == 1 or shape is None:
         return None
     spatial = shape[2:] if layer.data_format == "channels_first" else shape[1:-1]
@@ -251,7 +261,7 @@ class ConvBlock(KroneckerBlock):
         return conv_patches(layer, inputs)
 
     def output_rows(self, layer, delta):
-        return as_rows(_channels_last(layer, delta), self.g_dim)
+        return _channel_rows(layer, delta, self.g_dim)
 
 
 @register
@@ -280,7 +290,7 @@ class ConvTransposeBlock(KroneckerBlock):
         return cls(layer.name, (layer.kernel.name,), shape[-1], math.prod(shape[:-1]))
 
     def input_rows(self, layer, inputs):
-        return as_rows(_channels_last(layer, inputs), self.a_dim)
+        return _channel_rows(layer, inputs, self.a_dim)
 
     def output_rows(self, layer, delta):
         return conv_patches(layer, delta)
@@ -315,6 +325,8 @@ class DepthwiseConvBlock(KroneckerBlock):
     kind: ClassVar[str] = "depthwise_conv"
     layer_types: ClassVar[tuple] = (keras.layers.DepthwiseConv1D, keras.layers.DepthwiseConv2D)
     rule: ClassVar[str] = "per-channel Kronecker factors A (patch) and G (output gradient)"
+    #: What the report calls the units with a factor pair each.
+    unit: ClassVar[str] = "channel"
 
     @classmethod
     def from_layer(cls, layer):
@@ -336,7 +348,7 @@ class DepthwiseConvBlock(KroneckerBlock):
         return BlockLayout(self.channels * self.g_dim, self.g_dim, self.channels)
 
     def describe(self, block_size):
-        return (f"{self.rule}; {self.channels} channel(s), A {self.a_dim}x{self.a_dim}, "
+        return (f"{self.rule}; {self.channels} {self.unit}(s), A {self.a_dim}x{self.a_dim}, "
                 f"G {self.g_dim}x{self.g_dim} each")
 
     def statistics(self, layer, inputs, delta, block_size):
@@ -376,16 +388,13 @@ class GroupedConvBlock(DepthwiseConvBlock):
 
     kind: ClassVar[str] = "grouped_conv"
     rule: ClassVar[str] = "per-group Kronecker factors A (patches) and G (output gradient)"
+    unit: ClassVar[str] = "group"
 
     @classmethod
     def from_layer(cls, layer):
         *window, group_channels, filters = tuple(layer.kernel.shape)
         return cls(layer.name, (layer.kernel.name,), math.prod(window) * group_channels,
                    filters // layer.groups, layer.groups, group_channels)
-
-    def describe(self, block_size):
-        return (f"{self.rule}; {self.channels} group(s), A {self.a_dim}x{self.a_dim}, "
-                f"G {self.g_dim}x{self.g_dim} each")
 
 
 @register
@@ -439,10 +448,10 @@ class SeparablePointwiseBlock(KroneckerBlock):
     per_kernel: ClassVar[bool] = True
 
     def input_rows(self, layer, inputs):
-        return as_rows(_channels_last(layer, inputs), self.a_dim)
+        return _channel_rows(layer, inputs, self.a_dim)
 
     def output_rows(self, layer, delta):
-        return as_rows(_channels_last(layer, delta), self.g_dim)
+        return _channel_rows(layer, delta, self.g_dim)
 
 
 @register

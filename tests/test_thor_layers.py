@@ -267,6 +267,54 @@ def test_separable_convolution_trains_as_depthwise_then_pointwise(two_cpu_strate
                                        err_msg=got.path)
 
 
+def siamese(shared):
+    """Two inputs through one Dense encoder and a head: the encoder called on each input
+    (``shared``) or once on both stacked along the batch, the same computation."""
+    keras.utils.set_random_seed(0)
+    pair = [keras.Input((5,)), keras.Input((5,))]
+    encoder = keras.layers.Dense(6, activation="tanh", name="encoder")
+    if shared:
+        sides = [encoder(side) for side in pair]
+    else:
+        stacked = encoder(keras.layers.Concatenate(axis=0)(pair))
+        sides = keras.layers.Lambda(lambda t: tf.split(t, 2))(stacked)
+    return keras.Model(pair, keras.layers.Dense(3, name="head")(
+        keras.layers.Concatenate()(list(sides))))
+
+
+SHARED_OPTIONS = {
+    "default": {},
+    # MindSpore's form scales G, which the sampled Fisher takes per example of the model
+    # (the stacked encoder's gradient rows would count twice the batch in the empirical one)
+    "mindspore sampled": dict(preset="mindspore", learning_rate=0.1, damping=0.03, momentum=0.9,
+                              fisher="sampled", seed=0),
+}
+
+
+@pytest.mark.parametrize("options", SHARED_OPTIONS.values(), ids=SHARED_OPTIONS.keys())
+def test_shared_layer_trains_as_one_call_on_every_input(two_cpu_strategy, options):
+    """A layer called on two inputs (shared weights) counts the rows of both calls: the
+    weights of one call on both inputs stacked, on one device and on two replicas."""
+    rng = np.random.default_rng(3)
+    x = [rng.normal(size=(32, 5)).astype("float32") for _ in range(2)]
+    y = rng.integers(0, 3, size=32)
+
+    def train(shared, strategy):
+        with strategy.scope():
+            model = siamese(shared)
+            optimizer = mso.thor(model, frequency=2, **options)
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+        return model
+
+    initial = siamese(True).get_weights()
+    for strategy in (tf.distribute.get_strategy(), two_cpu_strategy):
+        shared, stacked = train(True, strategy), train(False, strategy)
+        assert not np.allclose(shared.get_weights()[0], initial[0])
+        assert_weights_close(shared.get_weights(), stacked.get_weights(), rtol=1e-5)
+
+
 @pytest.mark.parametrize("layer, shape", [
     (keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2,
                                   data_format="channels_first"), (2, 3, 6, 5)),

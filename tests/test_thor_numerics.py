@@ -694,7 +694,8 @@ def backward_pass(model, x, mode):
             loss = tf.reduce_sum(tf.square(forward(x)))
         return tape.gradient(loss, model.trainable_variables)
 
-    return (tf.function(gradients) if mode == "traced step" else gradients)(tf.constant(x))
+    inputs = tf.nest.map_structure(tf.constant, x)
+    return (tf.function(gradients) if mode == "traced step" else gradients)(inputs)
 
 
 @pytest.mark.parametrize("mode", BACKWARD_MODES)
@@ -717,6 +718,35 @@ def test_capture_records_however_the_backward_pass_runs(mode):
     np.testing.assert_allclose(head.a.numpy()[0], hidden.T @ hidden, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(head.g.numpy()[0], delta.T @ delta, rtol=1e-5, atol=1e-3)
     assert float(head.rows.numpy()) == BATCH
+
+
+@pytest.mark.parametrize("mode", BACKWARD_MODES)
+def test_shared_layer_records_the_rows_of_every_call(mode):
+    """A layer called twice in one call of the model (a Siamese pair) records the rows of
+    both calls, as one call on both inputs would, however the backward pass runs."""
+    pair = [keras.Input((5,)), keras.Input((5,))]
+    fc1 = keras.layers.Dense(6, activation="tanh", name="fc1")
+    joined = keras.layers.Concatenate()([fc1(pair[0]), fc1(pair[1])])
+    model = keras.Model(pair, keras.layers.Dense(3, name="head")(joined))
+    optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, block_size=None)
+    optimizer.build(model.trainable_variables)
+    rng = np.random.default_rng(1)
+    x = [rng.normal(size=(BATCH, 5)).astype("float32") for _ in pair]
+    backward_pass(model, x, mode)
+    kernel, bias = (w.numpy().astype(np.float64) for w in fc1.weights)
+    head_kernel, head_bias = (w.numpy().astype(np.float64)
+                              for w in model.get_layer("head").weights)
+    hidden = [np.tanh(side @ kernel + bias) for side in x]
+    out = np.concatenate(hidden, 1) @ head_kernel + head_bias
+    # d loss / d fc1's pre-activation in each call, x batch
+    deltas = [(2.0 * out @ head_kernel[6 * i:6 * (i + 1)].T) * (1 - h ** 2) * BATCH
+              for i, h in enumerate(hidden)]
+    shared, _ = optimizer._connection.statistics
+    np.testing.assert_allclose(shared.a.numpy()[0], sum(side.T @ side for side in x),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(shared.g.numpy()[0], sum(d.T @ d for d in deltas),
+                               rtol=1e-5, atol=1e-3)
+    assert float(shared.rows.numpy()) == 2 * BATCH
 
 
 @pytest.mark.parametrize("mode", BACKWARD_MODES)

@@ -11,8 +11,13 @@ layer. Where no gradient tape is recording (``predict``, ``evaluate``, the funct
 own computation alone: inference graphs hold nothing of THOR's. With the sampled
 Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs and
 outputs to the model-level capture, which records after the forward pass.
+
+A layer called more than once in one call of the model (shared weights) adds the rows of
+its later calls to those of its first, as if they were more examples of one call.
 """
+import contextlib
 import functools
+import threading
 
 import keras
 import tensorflow as tf
@@ -23,6 +28,9 @@ from tf_msopt.thor.execution import global_batch, replicas_in_sync, when
 __all__ = ["LayerStatistics", "assign", "connect_when_built", "install", "install_model"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
+#: ``records``: the records of the model call being traced or run (per thread: replicas trace
+#: in threads), each layer's latest; None outside a call of the model.
+_model_call = threading.local()
 
 
 class LayerStatistics:
@@ -78,10 +86,12 @@ class LayerStatistics:
         return (tf.nest.map_structure(lambda t: tf.gather(t, kept), inputs),
                 tf.gather(delta, kept))
 
-    def write(self, a, g, rows):
-        """Assigns the three buffers; returns a tensor that depends on the assignments."""
-        with tf.control_dependencies([assign(self.a, a), assign(self.g, g),
-                                      assign(self.rows, rows)]):
+    def write(self, a, g, rows, add=False):
+        """Assigns the three buffers (with ``add``, adds to them); returns a tensor that
+        depends on the assignments."""
+        update = assign_add if add else assign
+        with tf.control_dependencies([update(self.a, a), update(self.g, g),
+                                      update(self.rows, rows)]):
             return tf.constant(True)
 
 
@@ -92,6 +102,34 @@ def assign(variable, value):
     ``variable`` is a ``keras.Variable`` made with ``autocast=False``: its ``value`` is then
     the ``tf.Variable`` itself, even inside a mixed-precision layer call."""
     return variable.value.assign(value, read_value=False)
+
+
+def assign_add(variable, value):
+    """``variable.assign_add(value)``, as :func:`assign`."""
+    return variable.value.assign_add(value, read_value=False)
+
+
+@contextlib.contextmanager
+def model_call():
+    """One call of the model (a nested one joins the outer): the records of a layer's later
+    calls within it add to its first's."""
+    outer = getattr(_model_call, "records", None)
+    if outer is None:
+        _model_call.records = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _model_call.records = None
+
+
+def _after(token):
+    """A control dependency on ``token`` (an earlier record) where one can be taken: in the
+    graph being built, which need not order stateful ops itself (a backward function)."""
+    if token is None or tf.executing_eagerly() or (
+            token.graph is not tf.compat.v1.get_default_graph()):
+        return []
+    return [token]
 
 
 def _observe(output, record):
@@ -136,23 +174,34 @@ class _Capture:
             def observe(outputs, pieces=None):
                 return _observe(outputs, lambda d: assign(self.batch, global_batch(d)))
         else:
+            # Outside a call of the model (a layer called directly) this call stands alone.
+            records = getattr(_model_call, "records", None)
+            records = {} if records is None else records
+
             def observe(outputs, pieces=None):
                 """``pieces(d)``: each block's ``(inputs, delta)`` from the gradient ``d`` of
                 ``outputs``; by default the call's inputs and ``d``."""
                 pieces = pieces or (lambda d: [(inputs, d)])
                 if self.sampled is not None:
                     return self.sampled.observe(self.layer, self.statistics, pieces, outputs)
-                return _observe(outputs, lambda d: self._record(pieces(d)))
+                return _observe(outputs, lambda d: self._record(pieces(d), records))
         return self.blocks[0].capture(self.layer, self.original, observe, inputs, *args,
                                       **kwargs)
 
-    def _record(self, pieces):
+    def _record(self, pieces, records):
+        """Writes the statistics of one call; where this layer already recorded in the same
+        call of the model, adds to them, after that record."""
+        earlier = records.get(self)
+
         def write():
             return tf.reduce_all([statistics.write(*statistics.measure(
-                self.layer, inputs, tf.cast(delta, tf.float32) * global_batch(delta)))
+                self.layer, inputs, tf.cast(delta, tf.float32) * global_batch(delta)),
+                add=earlier is not None)
                 for statistics, (inputs, delta) in zip(self.statistics, pieces)])
 
-        return when(self.is_statistics_step(), write)
+        with tf.control_dependencies(_after(earlier)):
+            records[self] = when(self.is_statistics_step(), write)
+        return records[self]
 
 
 def _patch(target, name, make):
@@ -186,9 +235,18 @@ def connect_when_built(model, building):
 
 
 def install_model(model, sampled):
-    """Patches ``model.call`` for the sampled Fisher (``sampled=None`` removes that patch),
-    and the model's build before tracing (:func:`tf_msopt._keras_compat.symbolic_build`),
-    so that ``fit`` traces its train step once."""
-    _patch(model, "call", lambda original: original if sampled is None else sampled.wrap(original))
+    """Patches ``model.call`` to mark one call of the model (:func:`model_call`) and, for the
+    sampled Fisher, to record its statistics, and the model's build before tracing
+    (:func:`tf_msopt._keras_compat.symbolic_build`), so that ``fit`` traces its train step
+    once."""
+    def make(original):
+        call = original if sampled is None else sampled.wrap(original)
+
+        @functools.wraps(original)
+        def one_model_call(*args, **kwargs):
+            with model_call():
+                return call(*args, **kwargs)
+        return one_model_call
+    _patch(model, "call", make)
     _patch(model, compat.SYMBOLIC_BUILD, lambda original: functools.partial(
         compat.symbolic_build, model, original))

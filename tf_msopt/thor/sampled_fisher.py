@@ -200,7 +200,7 @@ class SampledFisher:
         batch = global_batch(outputs)
         loss = distribution.sampled_loss(outputs, key, offset) / batch
         gradients = tape.gradient(loss, [entry[-1] for entry in watched])
-        writes = []
+        writes = {}     # per buffer: a later call of a shared layer adds to the earlier's
         for (layer, buffers, pieces, _), gradient in zip(watched, gradients):
             if gradient is None:     # the output does not depend on this call
                 continue
@@ -211,8 +211,10 @@ class SampledFisher:
                 # Non-finite outputs: this call's statistics count as unobserved.
                 finite = (tf.reduce_all(tf.math.is_finite(a))
                           & tf.reduce_all(tf.math.is_finite(g)))
-                writes.append(statistics.write(tf.where(finite, a, 0.0),
-                                               tf.where(finite, g, 0.0),
-                                               tf.where(finite, rows, 0.0)))
-        with tf.control_dependencies(writes):
+                earlier = writes.get(statistics)
+                with tf.control_dependencies([] if earlier is None else [earlier]):
+                    writes[statistics] = statistics.write(
+                        tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),
+                        tf.where(finite, rows, 0.0), add=earlier is not None)
+        with tf.control_dependencies(list(writes.values())):
             return tf.constant(True)

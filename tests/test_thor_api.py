@@ -43,7 +43,7 @@ def small_model():
     (dict(split_indices=[3, 1]), ValueError, "split_indices"),
     (dict(enable_clip_grad=1), TypeError, "enable_clip_grad"),
     (dict(decay_filter="bias"), TypeError, "decay_filter"),
-    (dict(gradient_accumulation_steps=2), ValueError, "gradient_accumulation_steps"),
+    (dict(gradient_accumulation_steps=1), ValueError, "gradient_accumulation_steps"),
 ])
 def test_bad_arguments_raise_mindspore_types(kwargs, error, argument):
     args = dict(learning_rate=0.1, damping=0.03, momentum=0.9)

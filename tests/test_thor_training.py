@@ -98,6 +98,57 @@ def assert_weights_close(got, want, rtol=1e-5):
         assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), np.max(np.abs(a - b))
 
 
+def train_accumulating(batch, data=None, model=None, default=False, frequency=3, **kwargs):
+    """The mixed model trained by ``fit`` over ``data`` (48 examples), ``batch`` at a time,
+    in MindSpore's form or the default (refresh every ``frequency`` updates)."""
+    x, y = data or mixed_data()
+    if model is None:
+        model = mixed_model()
+        optimizer = (mso.thor(model, frequency=frequency, **kwargs) if default else
+                     mso.thor(model, 0.05, 0.05, 0.9, frequency=frequency, block_size=4,
+                              **kwargs))
+        model.compile(optimizer=optimizer, loss="mse")
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return model
+
+
+@pytest.mark.parametrize("default", [False, True], ids=["mindspore", "default"])
+def test_gradient_accumulation_updates_as_the_larger_batch(default):
+    """Two accumulated steps of 8 examples update as one step of 16: THOR sums their
+    statistics as Keras averages their gradients."""
+    whole = train_accumulating(16, default=default)
+    accumulated = train_accumulating(8, default=default, gradient_accumulation_steps=2)
+    assert int(accumulated.optimizer.iterations.numpy()) == 3
+    assert_weights_close(accumulated.get_weights(), whole.get_weights(), rtol=1e-5)
+    assert not np.allclose(whole.get_weights()[0], mixed_model().get_weights()[0])
+
+
+def test_gradient_accumulation_resumes_exactly_within_a_cycle(tmp_path):
+    """Saved after the first step of an accumulation cycle, the statistics it captured are
+    saved with the gradients Keras accumulated: the resumed run ends as the uninterrupted."""
+    x, y = mixed_data()
+    whole = train_accumulating(8, frequency=2, gradient_accumulation_steps=2)
+    # 5 steps: the first of the third update, whose statistics refresh the inverses
+    first = train_accumulating(8, data=([part[:40] for part in x], y[:40]), frequency=2,
+                               gradient_accumulation_steps=2)
+    path = str(tmp_path / "accumulating.keras")
+    first.save(path)
+    loaded = keras.models.load_model(path)
+    mso.thor.connect(loaded)
+    train_accumulating(8, data=([part[40:] for part in x], y[40:]), model=loaded)
+    for got, want in zip(loaded.get_weights(), whole.get_weights()):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_gradient_accumulation_under_two_replicas_is_refused(two_cpu_strategy):
+    with two_cpu_strategy.scope():
+        model = mixed_model()
+        model.compile(optimizer=mso.thor(model, gradient_accumulation_steps=2), loss="mse")
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 cannot run under a "
+                                         "strategy with several replicas"):
+        model.fit(*mixed_data(16), batch_size=8, epochs=1, verbose=0)
+
+
 def test_xla_train_step_equals_plain():
     """Compiled with XLA, the step gives the plain step's weights; only a refresh compiled
     with it (the whole step, not THOR's per-update ``jit_compile``), on a host without a

@@ -40,6 +40,8 @@ _METHODS = (
     (keras.optimizers.Optimizer, "_distributed_tf_update_step",
      ("distribution", "grads_and_vars", "learning_rate")),
     (keras.optimizers.Optimizer, "_apply_weight_decay", ("variables",)),
+    (keras.optimizers.Optimizer, "_backend_increment_gradient_accumulators",
+     ("grads", "acc_grads")),
     (keras.optimizers.Optimizer, "_use_weight_decay", ("variable",)),
     (keras.optimizers.Optimizer, "_get_variable_index", ("variable",)),
     (keras.optimizers.Optimizer, "_var_key", ("variable",)),
@@ -274,8 +276,9 @@ class Optimizer(keras.optimizers.Optimizer):
     """``keras.optimizers.Optimizer`` with its private hooks under package names.
 
     Subclasses override :meth:`update_variables` (all variables of a step),
-    :meth:`distributed_update` (the same, in cross-replica context) and
-    :meth:`decay_weights` (decoupled weight decay) instead of Keras' private methods.
+    :meth:`distributed_update` (the same, in cross-replica context), :meth:`decay_weights`
+    (decoupled weight decay) and :meth:`accumulate_gradients` (a step of gradient
+    accumulation that does not update) instead of Keras' private methods.
     """
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
@@ -294,6 +297,15 @@ class Optimizer(keras.optimizers.Optimizer):
 
     def _apply_weight_decay(self, variables):
         return self.decay_weights(variables)
+
+    def _backend_increment_gradient_accumulators(self, grads, acc_grads):
+        return self.accumulate_gradients(grads, acc_grads)
+
+    def accumulate_gradients(self, grads, acc_grads):
+        """With ``gradient_accumulation_steps``: adds ``grads`` to their accumulators on
+        the steps that do not update."""
+        return keras.optimizers.Optimizer._backend_increment_gradient_accumulators(
+            self, grads, acc_grads)
 
     def decay_weights(self, variables):
         return keras.optimizers.Optimizer._apply_weight_decay(self, variables)

@@ -47,6 +47,8 @@ class LayerCurvature:
             ``A`` and ``G`` and how many updates they have had.
         trace, trace_decisions: with the trace rule, the trace of the last refresh and the
             counts of ``(refreshed, reused, frozen)`` refreshes.
+        pending: with gradient accumulation, the ``(A, G, rows)`` sums captured by the
+            earlier steps of the accumulation cycle.
     """
 
     block: CurvatureBlock
@@ -60,6 +62,7 @@ class LayerCurvature:
     count: object = None
     trace: object = None
     trace_decisions: object = None
+    pending: tuple = None
 
     @property
     def device_variable(self):
@@ -116,14 +119,15 @@ class CurvatureEstimator:
 
     # --- state
 
-    def build_layers(self, add_variable):
+    def build_layers(self, add_variable, accumulates=False):
         """Creates each layer's state with ``add_variable(shape, initializer, name, dtype)``
-        (the optimizer's), in the order checkpoints hold it."""
+        (the optimizer's), in the order checkpoints hold it; ``accumulates``: the optimizer
+        accumulates gradients over several steps, and the statistics with them."""
         for block in self.blocks:
             layer, name = LayerCurvature(block), block.name
             self.preconditioner.build(layer, add_variable)
+            a_shape, g_shape = self.preconditioner.statistics_shapes(block)
             if self.options.statistics_decay is not None:
-                a_shape, g_shape = self.preconditioner.statistics_shapes(block)
                 layer.a_average = add_variable(a_shape, "zeros", f"{name}_a_average")
                 layer.g_average = add_variable(g_shape, "zeros", f"{name}_g_average")
                 layer.count = add_variable((), "zeros", f"{name}_statistics_count")
@@ -132,6 +136,10 @@ class CurvatureEstimator:
                 # (refreshed, reused, frozen) refreshes
                 layer.trace_decisions = add_variable((3,), "zeros", f"{name}_trace_decisions",
                                                      "int64")
+            if accumulates:
+                layer.pending = tuple(add_variable(shape, "zeros", f"{name}_pending_{part}")
+                                      for shape, part in ((a_shape, "a"), (g_shape, "g"),
+                                                          ((), "rows")))
             self.layers.append(layer)
 
     def build_counters(self, add_variable):
@@ -151,6 +159,27 @@ class CurvatureEstimator:
         return self.preconditioner.step(layer, gradient, correction, self._assign)
 
     # --- the update
+
+    def accumulate(self, statistics):
+        """Adds this replica's ``statistics`` (``(a, g, rows)`` per layer) to the sums of
+        the accumulation cycle (a step that accumulates its gradients, and does not
+        update)."""
+        for layer, values in zip(self.layers, statistics):
+            for variable, value in zip(layer.pending, values):
+                self._assign_add(variable, value)
+        return tf.constant(True)
+
+    def with_pending(self, statistics):
+        """``statistics`` plus the sums of the earlier steps of the accumulation cycle,
+        which start again from zero."""
+        total = [tuple(value + tf.convert_to_tensor(variable)
+                       for value, variable in zip(values, layer.pending))
+                 for layer, values in zip(self.layers, statistics)]
+        with tf.control_dependencies(tf.nest.flatten(total)):
+            for layer in self.layers:
+                for variable in layer.pending:
+                    self._assign(variable, tf.zeros(variable.shape, variable.dtype))
+        return total
 
     def update(self, distribution, statistics, root_damping, g_scale, is_statistics_step):
         """Sums this replica's ``statistics`` (``(a, g, rows)`` per layer) over replicas and

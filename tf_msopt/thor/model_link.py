@@ -53,7 +53,7 @@ class ModelLink:
             is_statistics_step=self._is_statistics_step,
             strategy=compat.distribution_strategy(self),
             sampled_seed=options.seed if options.fisher == "sampled" else None,
-            step=self.iterations, fisher_distribution=self._fisher_distribution)
+            step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution)
         return self
 
     @contextlib.contextmanager

@@ -16,12 +16,12 @@ from tf_msopt.optimizers.base import MindSporeOptimizer, make_variable_filter
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning, from_config
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator
-from tf_msopt.thor.execution import on_each_device
+from tf_msopt.thor.execution import on_each_device, when
 from tf_msopt.thor.experimental import split_experimental
 from tf_msopt.thor.grafting import AdamGraft, bias_correction
 from tf_msopt.thor.loss_scale_link import LossScaleLink
 from tf_msopt.thor.model_link import ModelLink
-from tf_msopt.thor.options import ThorOptions, check_keras_arguments
+from tf_msopt.thor.options import ThorOptions
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
 from tf_msopt.thor.step_modifiers import KLClip, VariableUpdate
 
@@ -136,7 +136,6 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
             eigenbasis_exponent=eigenbasis_exponent, eigenbasis_tolerance=eigenbasis_tolerance,
             max_rotated_dim=max_rotated_dim, statistics_rows=statistics_rows,
             cautious=cautious, experimental=experimental, weight_decay=weight_decay)
-        check_keras_arguments(kwargs)
         super().__init__(learning_rate, name=name, jit_compile=jit_compile,
                          weight_decay=options.weight_decay, **kwargs)
         self.options = options
@@ -186,7 +185,16 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         self._estimator = CurvatureEstimator(self._blocks, self.options, self.preconditioner,
                                               self._is_refresh_step, self.assign,
                                               self.assign_add)
-        self._estimator.build_layers(self._add_state_variable)
+        if self.gradient_accumulation_steps and (
+                compat.distribution_strategy(self).num_replicas_in_sync > 1):
+            raise ValueError(
+                f"For '{_OWNER}', gradient_accumulation_steps="
+                f"{self.gradient_accumulation_steps} cannot run under a strategy with "
+                f"several replicas: Keras accumulates in a conditional, which cannot hold "
+                f"the strategy's synchronisation (Keras' own optimizers fail there too). "
+                f"Use a larger global batch instead.")
+        self._estimator.build_layers(self._add_state_variable,
+                                     accumulates=bool(self.gradient_accumulation_steps))
         self._kl_clip = None
         if self.options.kl_clip is not None:
             self.kl_factor = self.add_variable((), initializer="ones", name="kl_factor")
@@ -249,8 +257,10 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
 
     def _layer_rule(self, block, gradient, correction):
         del correction  # MindSpore's rule keeps no second moment
-        state = Preconditioning(batch=tf.convert_to_tensor(self._connection.batch),
-                                root_damping=self._root_damping())
+        # An accumulated update's batch is its cycle's steps together.
+        batch = tf.convert_to_tensor(self._connection.batch) * (
+            self.gradient_accumulation_steps or 1)
+        state = Preconditioning(batch=batch, root_damping=self._root_damping())
         return block.precondition(gradient, state, self.options.block_size)
 
     # --- the step
@@ -265,12 +275,22 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
     def decay_weights(self, variables):
         """No decoupled decay: THOR adds ``weight_decay * w`` after preconditioning."""
 
+    def _captured(self):
+        """This replica's statistics of this step, read in replica context."""
+        return [(tf.convert_to_tensor(s.a), tf.convert_to_tensor(s.g),
+                 tf.convert_to_tensor(s.rows)) for s in self._connection.statistics]
+
+    def accumulate_gradients(self, grads, acc_grads):
+        # The statistics of a step that only accumulates join those of its cycle's update.
+        super().accumulate_gradients(grads, acc_grads)
+        when(self._is_statistics_step(), lambda: self._estimator.accumulate(self._captured()))
+
     def update_variables(self, grads, trainable_variables, learning_rate):
         if self._updates is None:
             self._updates = self._plan_updates()
-        # This replica's statistics, read in replica context; summed by the estimator.
-        local = [(tf.convert_to_tensor(s.a), tf.convert_to_tensor(s.g),
-                  tf.convert_to_tensor(s.rows)) for s in self._connection.statistics]
+        local = self._captured()       # summed over replicas by the estimator
+        if self.gradient_accumulation_steps:
+            local = self._estimator.with_pending(local)
         compat.merge_call(self._refresh, compat.distribution_strategy(self), local)
         super().update_variables(grads, trainable_variables, learning_rate)
 

@@ -10,7 +10,7 @@ from tf_msopt.thor.curvature_blocks import REGISTRY
 from tf_msopt.thor.experimental import Experimental
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
 
-__all__ = ["ThorOptions", "check_keras_arguments"]
+__all__ = ["ThorOptions"]
 
 _OWNER = "THOR"
 _DAMPING_MODES = ("sqrt", "relative")
@@ -97,17 +97,6 @@ def _check_seed(seed, fisher):
     if seed is not None:
         seed = check_int(seed, "seed", _OWNER, min_value=0, max_value=2**64 - 1)
     return seed
-
-
-def check_keras_arguments(kwargs):
-    """Refuses the Keras optimizer arguments THOR cannot honour."""
-    if kwargs.get("gradient_accumulation_steps"):
-        raise ValueError(
-            f"For '{_OWNER}', 'gradient_accumulation_steps' cannot apply: THOR captures "
-            f"curvature statistics from the backward pass of each step, and an "
-            f"accumulated update would mix statistics of one batch with gradients of "
-            f"several. Got gradient_accumulation_steps="
-            f"{kwargs['gradient_accumulation_steps']!r}; use a larger batch instead.")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -721,6 +721,32 @@ def test_capture_records_however_the_backward_pass_runs(mode):
 
 
 @pytest.mark.parametrize("mode", BACKWARD_MODES)
+def test_padding_a_keras_mask_leaves_out_is_no_row(mode):
+    """Behind ``Embedding(mask_zero=True)`` a Dense and an EinsumDense on every position
+    take the statistics of the unmasked positions only."""
+    tokens = np.array([[1, 2, 3, 0, 0], [4, 5, 6, 1, 0], [2, 0, 0, 0, 0], [3, 3, 3, 3, 3]])
+    keep = tokens > 0
+    ids = keras.Input((5,), dtype="int32")
+    embedded = keras.layers.Embedding(7, 4, mask_zero=True, name="emb")(ids)
+    hidden = keras.layers.Dense(6, activation="tanh", name="proj")(embedded)
+    out = keras.layers.EinsumDense("abc,cd->abd", (None, 3), name="head")(hidden)
+    model = keras.Model(ids, out)
+    optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, block_size=None)
+    optimizer.build(model.trainable_variables)
+    backward_pass(model, tokens.astype("int32"), mode)
+    statistics = {s.block.name: s for s in optimizer._connection.statistics}
+    assert {name: float(s.rows.numpy()) for name, s in statistics.items()} == {
+        "emb": tokens.size, "proj": keep.sum(), "head": keep.sum()}
+    # the rows of the unmasked positions; the head's G from d sum(out^2) / d out = 2 out
+    x, h, y = (t.numpy().astype(np.float64)[keep]
+               for t in keras.Model(ids, [embedded, hidden, out])(tokens))
+    delta = 2.0 * y * len(tokens)
+    for got, want in ((statistics["proj"].a, x.T @ x), (statistics["head"].a, h.T @ h),
+                      (statistics["head"].g, delta.T @ delta)):
+        np.testing.assert_allclose(got.numpy()[0], want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("mode", BACKWARD_MODES)
 def test_shared_layer_records_the_rows_of_every_call(mode):
     """A layer called twice in one call of the model (a Siamese pair) records the rows of
     both calls, as one call on both inputs would, however the backward pass runs."""

@@ -13,6 +13,7 @@ import re
 
 import keras
 import tensorflow as tf
+from keras.src.backend.common import masking
 from keras.src.backend.tensorflow.trainer import TFEpochIterator
 from tensorflow.python.eager import record as tape_record
 from tensorflow.python.framework import kernels
@@ -21,8 +22,8 @@ from tensorflow.python.trackable import base as trackable_base
 
 __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOLIC_BUILD",
            "check", "distribution_strategy", "flatten_layers", "gradient_may_be_recorded",
-           "in_xla_context",
-           "merge_call", "optimizer_own_variables", "overwrites_with_gradient",
+           "in_xla_context", "keras_mask", "merge_call", "optimizer_own_variables",
+           "overwrites_with_gradient",
            "own_iterations", "own_trainable_variables", "registered_kernel_devices",
            "resource_variable", "runs_every_stateful_op", "strategy_supports_no_merge_call",
            "symbolic_build", "tracked_index", "trainable_variables", "uses_weight_decay",
@@ -79,6 +80,7 @@ _FUNCTIONS = (
     (kernels, "get_registered_kernels_for_op", ("name",)),
     (resource_variable_ops, "ResourceVariable", ()),
     (tape_record, "could_possibly_record", ()),
+    (masking, "get_keras_mask", ("x",)),
 )
 
 
@@ -262,6 +264,12 @@ def gradient_may_be_recorded():
     ``predict``, ``evaluate`` and the functions ``model.export`` or
     ``tf.saved_model.save`` trace for serving."""
     return tape_record.could_possibly_record()
+
+
+def keras_mask(tensor):
+    """The mask Keras attached to ``tensor`` (``Embedding(mask_zero=True)``, ``Masking``),
+    or None."""
+    return masking.get_keras_mask(tensor)
 
 
 def in_xla_context():

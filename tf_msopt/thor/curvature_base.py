@@ -9,10 +9,12 @@ blocks; the first registered class whose ``layer_types`` match wins).
 
 Statistics are sums over rows (the estimator divides by the summed row count):
 ``a = sum(x x^T)`` over the rows of the kernel's input, ``g = sum(delta delta^T)``
-over the rows of the pre-activation output gradient.
+over the rows of the pre-activation output gradient. The positions a Keras mask leaves out
+(padding) are no rows.
 """
 import dataclasses
-from typing import ClassVar
+import functools
+from typing import ClassVar, NamedTuple
 
 import tensorflow as tf
 
@@ -20,8 +22,8 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.block_diagonal import (BlockLayout, covariance_blocks, left_multiply,
                                           right_multiply, robust_inverses)
 
-__all__ = ["CurvatureBlock", "KroneckerBlock", "Preconditioning", "REGISTRY", "as_rows",
-           "blocks_for", "from_config", "register"]
+__all__ = ["CurvatureBlock", "KroneckerBlock", "MaskedSteps", "Preconditioning", "REGISTRY",
+           "as_rows", "blocks_for", "from_config", "register"]
 
 REGISTRY = {}
 
@@ -209,6 +211,20 @@ def _trace(factor):
     return tf.reduce_sum(diagonal)
 
 
+class MaskedSteps(NamedTuple):
+    """A kernel's inputs at each position (``[batch, positions..., features]``) and which
+    positions count (``[batch, positions...]``, 1 or 0): the rows a masked sequence gives
+    the statistics."""
+
+    values: tf.Tensor
+    weights: tf.Tensor
+
+    def weigh(self, tensor):
+        """``tensor`` (laid out as ``values``) with the rows that do not count zeroed."""
+        weights = tf.cast(self.weights, tensor.dtype)
+        return tensor * weights[(...,) + (None,) * (tensor.shape.rank - weights.shape.rank)]
+
+
 def as_rows(tensor, width):
     """``tensor`` as float32 ``[rows, width]``."""
     return tf.reshape(tf.cast(tensor, tf.float32), [-1, width])
@@ -242,7 +258,16 @@ class KroneckerBlock(CurvatureBlock):
                 f"{self.g_layout(block_size).count} block(s)")
 
     def capture(self, layer, call, observe, inputs, *args, **kwargs):
+        weights = self.row_weights(layer, inputs)
+        if weights is not None:
+            observe = functools.partial(
+                observe, pieces=lambda d: [(MaskedSteps(inputs, weights), d)])
         return _pre_activation_capture(layer, call, observe, inputs, *args, **kwargs)
+
+    def row_weights(self, layer, inputs):
+        """Which rows of ``inputs`` count (1 or 0, laid out as their positions), where a
+        Keras mask says and the block's rows follow it; None: every row."""
+        return None
 
     def input_rows(self, layer, inputs):
         """``[rows, a_dim]``: the kernel's input, one row per use of the kernel."""
@@ -259,10 +284,16 @@ class KroneckerBlock(CurvatureBlock):
         return tf.size(delta) // examples // self.g_layout(block_size).dim
 
     def statistics(self, layer, inputs, delta, block_size):
+        """Over the rows that count where ``inputs`` is :class:`MaskedSteps` (the others
+        zeroed and not counted)."""
+        rows = None
+        if isinstance(inputs, MaskedSteps):
+            rows = tf.reduce_sum(tf.cast(inputs.weights, tf.float32))
+            inputs, delta = inputs.weigh(inputs.values), inputs.weigh(delta)
         delta_rows = self.output_rows(layer, delta)
         a = self.input_statistics(self.input_rows(layer, inputs), block_size)
         g = covariance_blocks(delta_rows, self.g_layout(block_size))
-        return a, g, tf.cast(tf.shape(delta_rows)[0], tf.float32)
+        return a, g, tf.cast(tf.shape(delta_rows)[0], tf.float32) if rows is None else rows
 
     def input_statistics(self, rows, block_size):
         return covariance_blocks(rows, self.a_layout(block_size))

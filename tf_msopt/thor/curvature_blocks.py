@@ -61,6 +61,16 @@ class DenseBlock(KroneckerBlock):
     def projects_positions(self, layer):
         return _built_rank(layer) > 2
 
+    def row_weights(self, layer, inputs):
+        return _mask_over(inputs, inputs.shape.rank - 1)
+
+
+def _mask_over(inputs, positions):
+    """The Keras mask ``inputs`` carries, where it covers its first ``positions`` axes (the
+    rows of a projection of every position)."""
+    mask = compat.keras_mask(inputs)
+    return mask if mask is not None and mask.shape.rank == positions else None
+
 
 def _expand_ellipsis(spec, rank, letters):
     if "..." not in spec:
@@ -122,6 +132,15 @@ class EinsumDenseBlock(KroneckerBlock):
     def projects_positions(self, layer):
         (contracted, _), _ = self._axes(layer.equation)
         return _built_rank(layer) - len(contracted) > 1
+
+    def row_weights(self, layer, inputs):
+        # Only where the axes the kernel does not see lead, in the same order on both sides.
+        inputs_spec, kernel, output = self._specs(layer.equation)
+        batch = [c for c in inputs_spec if c not in kernel]
+        if "..." in inputs_spec or inputs_spec[:len(batch)] != "".join(batch) or (
+                [c for c in output if c not in kernel] != batch):
+            return None
+        return _mask_over(inputs, len(batch))
 
     def _rows_of(self, layer, tensor, spec, kernel_letters, width):
         """``tensor`` (laid out as ``spec``) as ``[rows, width]``: the axes the kernel does

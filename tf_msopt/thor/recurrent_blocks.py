@@ -19,22 +19,14 @@ observed tensor, then each step's recurrent part in a ``tf.scan``. A masked step
 statistics.
 """
 import dataclasses
-from typing import ClassVar, NamedTuple
+from typing import ClassVar
 
 import keras
 import tensorflow as tf
 
-from tf_msopt.thor.curvature_base import KroneckerBlock, register
+from tf_msopt.thor.curvature_base import KroneckerBlock, MaskedSteps, register
 
-__all__ = ["MaskedSteps", "RecurrentBlock"]
-
-
-class MaskedSteps(NamedTuple):
-    """A kernel's inputs at each time step (``[batch, steps, features]``) and which steps
-    count (``[batch, steps]``, 1 or 0): the rows a masked sequence gives the statistics."""
-
-    values: tf.Tensor
-    weights: tf.Tensor
+__all__ = ["RecurrentBlock"]
 
 
 _CELLS = {keras.layers.SimpleRNN: keras.layers.SimpleRNNCell,
@@ -94,19 +86,6 @@ class RecurrentBlock(KroneckerBlock):
     def describe(self, block_size):
         side = "recurrent kernel" if self.recurrent else "input kernel"
         return f"{side}: {super().describe(block_size)}"
-
-    def statistics(self, layer, inputs, delta, block_size):
-        """Over the time steps that count where ``inputs`` is :class:`MaskedSteps`: the
-        masked steps' rows are zeroed and not counted."""
-        if not isinstance(inputs, MaskedSteps):
-            return super().statistics(layer, inputs, delta, block_size)
-        values, weights = inputs
-
-        def masked(t):
-            return t * tf.cast(weights, t.dtype)[..., None]
-
-        a, g, _ = super().statistics(layer, masked(values), masked(delta), block_size)
-        return a, g, tf.reduce_sum(weights)
 
     def capture(self, layer, call, observe, inputs, *args, **kwargs):
         """Runs ``call`` with the layer's inner loop replaced by :func:`_observed_loop`."""

@@ -83,11 +83,11 @@ def mixed_data(n=48, seed=0):
             rng.normal(size=(n, 2)).astype("float32"))
 
 
-def train_mixed(xla=False, wrap=None, **thor_kwargs):
+def train_mixed(xla=False, wrap=None, steps_per_execution=1, **thor_kwargs):
     model = mixed_model()
     optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4, **thor_kwargs)
     model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse",
-                  jit_compile=xla)
+                  jit_compile=xla, steps_per_execution=steps_per_execution)
     x, y = mixed_data()
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)   # 6 steps: 2 THOR
     return model.get_weights()
@@ -191,6 +191,13 @@ def plain_weights():
 ], ids=["dynamic", "fixed_no_drop", "keras_wrapper", "loss_scale_factor"])
 def test_loss_scale_is_undone_in_g(scaling):
     assert_weights_close(train_mixed(**scaling), plain_weights())
+
+
+def test_steps_per_execution_equals_a_step_a_call():
+    """Several steps looped in one call of the train function (``steps_per_execution``),
+    the THOR steps among them, give the weights of one step a call, to the bit."""
+    for got, want in zip(train_mixed(steps_per_execution=4), plain_weights()):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_loss_scale_in_a_custom_loop():

@@ -112,12 +112,17 @@ def train_accumulating(batch, data=None, model=None, default=False, frequency=3,
     return model
 
 
-@pytest.mark.parametrize("default", [False, True], ids=["mindspore", "default"])
-def test_gradient_accumulation_updates_as_the_larger_batch(default):
+@pytest.mark.parametrize("default, options", [
+    (False, {}), (True, {}),
+    (True, dict(statistics_rows=72)),   # every 2nd example's 9 convolution rows of 16
+], ids=["mindspore", "default", "subsampled"])
+def test_gradient_accumulation_updates_as_the_larger_batch(default, options):
     """Two accumulated steps of 8 examples update as one step of 16: THOR sums their
-    statistics as Keras averages their gradients."""
-    whole = train_accumulating(16, default=default)
-    accumulated = train_accumulating(8, default=default, gradient_accumulation_steps=2)
+    statistics as Keras averages their gradients (and subsamples them as the whole
+    batch's)."""
+    whole = train_accumulating(16, default=default, **options)
+    accumulated = train_accumulating(8, default=default, gradient_accumulation_steps=2,
+                                     **options)
     assert int(accumulated.optimizer.iterations.numpy()) == 3
     assert_weights_close(accumulated.get_weights(), whole.get_weights(), rtol=1e-5)
     assert not np.allclose(whole.get_weights()[0], mixed_model().get_weights()[0])

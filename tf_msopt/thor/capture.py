@@ -40,9 +40,10 @@ class LayerStatistics:
     state and are not saved.
     """
 
-    def __init__(self, block, block_size, weight_sharing="mean", rows=None, shapes=None):
+    def __init__(self, block, block_size, weight_sharing="mean", rows=None, shapes=None,
+                 steps_per_update=1):
         self.block, self.block_size, self.weight_sharing = block, block_size, weight_sharing
-        self.rows_wanted = rows
+        self.rows_wanted, self.steps_per_update = rows, steps_per_update
 
         def buffer(shape, name):
             return keras.Variable(initializer="zeros", shape=shape, dtype="float32",
@@ -73,12 +74,13 @@ class LayerStatistics:
 
     def _subsample(self, inputs, delta):
         """Every ``s``-th example of ``inputs`` and ``delta``. The stride follows the global
-        batch, so that replicas whose shares it divides keep together the examples one
-        device would keep."""
+        batch of an update (every replica's share, and with gradient accumulation every
+        step's), so that shares it divides keep together the examples one device would
+        keep from the whole batch."""
         examples = tf.shape(delta)[0]
         rows_per_example = self.block.rows_per_example(inputs, delta, self.block_size)
-        stride = tf.maximum(examples * replicas_in_sync() * rows_per_example
-                            // self.rows_wanted, 1)
+        stride = tf.maximum(examples * replicas_in_sync() * self.steps_per_update
+                            * rows_per_example // self.rows_wanted, 1)
         # A gather keeps the other axes' static sizes, which a slice with a tensor stride
         # loses (the convolution patches need them).
         kept = tf.range(0, examples, stride)

@@ -40,6 +40,8 @@ class ModelConnection:
             step is traced with the capture.
         blocks, layers, rows: what :func:`tf_msopt.thor.report.survey` found.
         block_size, weight_sharing, statistics_rows: how the statistics are measured.
+        steps_per_update: the steps whose statistics one update sums (gradient
+            accumulation's), among which ``statistics_rows`` are shared.
         statistics_shapes: ``block -> (a_shape, g_shape)``, the statistics the optimizer
             reads (its preconditioner's).
         batch_size: the global batch size until one is observed.
@@ -54,14 +56,14 @@ class ModelConnection:
 
     def __init__(self, model, blocks, layers, rows, *, block_size, weight_sharing, batch_size,
                  is_statistics_step, statistics_rows=None, statistics_shapes=None, strategy,
-                 sampled_seed=None, step=None, fisher_distribution=None):
+                 sampled_seed=None, step=None, fisher_distribution=None, steps_per_update=1):
         self.model = weakref.ref(model)
         self.layers, self.rows = layers, rows
         self.fisher_distribution = fisher_distribution
         with strategy.scope():
             self.statistics = [LayerStatistics(
                 block, block_size, weight_sharing, statistics_rows,
-                statistics_shapes(block) if statistics_shapes else None)
+                statistics_shapes(block) if statistics_shapes else None, steps_per_update)
                                for block in blocks if block.has_factors]
             self.batch = keras.Variable(float(batch_size), dtype="float32", trainable=False,
                                         autocast=False, name="global_batch")

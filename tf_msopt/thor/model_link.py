@@ -53,7 +53,8 @@ class ModelLink:
             is_statistics_step=self._is_statistics_step,
             strategy=compat.distribution_strategy(self),
             sampled_seed=options.seed if options.fisher == "sampled" else None,
-            step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution)
+            step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution,
+            steps_per_update=self.gradient_accumulation_steps or 1)
         return self
 
     @contextlib.contextmanager

@@ -62,7 +62,7 @@ class LayerCurvature:
     count: object = None
     trace: object = None
     trace_decisions: object = None
-    pending: tuple = None
+    pending: object = None
 
     @property
     def device_variable(self):

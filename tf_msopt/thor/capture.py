@@ -88,12 +88,14 @@ class LayerStatistics:
         return (tf.nest.map_structure(lambda t: tf.gather(t, kept), inputs),
                 tf.gather(delta, kept))
 
-    def write(self, a, g, rows, add=False):
-        """Assigns the three buffers (with ``add``, adds to them); returns a tensor that
-        depends on the assignments."""
-        update = assign_add if add else assign
-        with tf.control_dependencies([update(self.a, a), update(self.g, g),
-                                      update(self.rows, rows)]):
+    def write(self, a, g, rows, after=None):
+        """Assigns the three buffers; returns a tensor that depends on the assignments.
+        ``after``: what an earlier write of the same call of the model returned (a shared
+        layer's earlier call), which this one adds to, after it."""
+        update = assign if after is None else assign_add
+        with tf.control_dependencies(_after(after)):
+            updates = [update(self.a, a), update(self.g, g), update(self.rows, rows)]
+        with tf.control_dependencies(updates):
             return tf.constant(True)
 
 
@@ -126,7 +128,7 @@ def model_call():
 
 
 def _after(token):
-    """A control dependency on ``token`` (an earlier record) where one can be taken: in the
+    """A control dependency on ``token`` (an earlier write) where one can be taken: in the
     graph being built, which need not order stateful ops itself (a backward function)."""
     if token is None or tf.executing_eagerly() or (
             token.graph is not tf.compat.v1.get_default_graph()):
@@ -198,9 +200,10 @@ class _Capture:
         def write():
             return tf.reduce_all([statistics.write(*statistics.measure(
                 self.layer, inputs, tf.cast(delta, tf.float32) * global_batch(delta)),
-                add=earlier is not None)
+                after=earlier)
                 for statistics, (inputs, delta) in zip(self.statistics, pieces)])
 
+        # (Inside a conditional the earlier record is outside its graph: order the whole.)
         with tf.control_dependencies(_after(earlier)):
             records[self] = when(self.is_statistics_step(), write)
         return records[self]

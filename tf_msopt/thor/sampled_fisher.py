@@ -211,10 +211,8 @@ class SampledFisher:
                 # Non-finite outputs: this call's statistics count as unobserved.
                 finite = (tf.reduce_all(tf.math.is_finite(a))
                           & tf.reduce_all(tf.math.is_finite(g)))
-                earlier = writes.get(statistics)
-                with tf.control_dependencies([] if earlier is None else [earlier]):
-                    writes[statistics] = statistics.write(
-                        tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),
-                        tf.where(finite, rows, 0.0), add=earlier is not None)
+                writes[statistics] = statistics.write(
+                    tf.where(finite, a, 0.0), tf.where(finite, g, 0.0),
+                    tf.where(finite, rows, 0.0), after=writes.get(statistics))
         with tf.control_dependencies(list(writes.values())):
             return tf.constant(True)

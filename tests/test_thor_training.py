@@ -83,33 +83,26 @@ def mixed_data(n=48, seed=0):
             rng.normal(size=(n, 2)).astype("float32"))
 
 
-def train_mixed(xla=False, wrap=None, steps_per_execution=1, **thor_kwargs):
-    model = mixed_model()
-    optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4, **thor_kwargs)
-    model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse",
-                  jit_compile=xla, steps_per_execution=steps_per_execution)
-    x, y = mixed_data()
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)   # 6 steps: 2 THOR
-    return model.get_weights()
+def train_mixed(batch=8, data=None, model=None, default=False, frequency=3, xla=False,
+                wrap=None, steps_per_execution=1, **thor_kwargs):
+    """The mixed model (or ``model``, compiled) trained by ``fit`` on ``data`` (by default
+    48 examples: 6 steps of 8, 2 of them THOR's), ``batch`` at a time, in MindSpore's form
+    or the default, refreshing every ``frequency`` updates."""
+    x, y = data or mixed_data()
+    if model is None:
+        model = mixed_model()
+        optimizer = (mso.thor(model, frequency=frequency, **thor_kwargs) if default else
+                     mso.thor(model, 0.05, 0.05, 0.9, frequency=frequency, block_size=4,
+                              **thor_kwargs))
+        model.compile(optimizer=optimizer if wrap is None else wrap(optimizer), loss="mse",
+                      jit_compile=xla, steps_per_execution=steps_per_execution)
+    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
+    return model
 
 
 def assert_weights_close(got, want, rtol=1e-5):
     for a, b in zip(got, want):
         assert np.linalg.norm(a - b) <= rtol * np.linalg.norm(b), np.max(np.abs(a - b))
-
-
-def train_accumulating(batch, data=None, model=None, default=False, frequency=3, **kwargs):
-    """The mixed model trained by ``fit`` over ``data`` (48 examples), ``batch`` at a time,
-    in MindSpore's form or the default (refresh every ``frequency`` updates)."""
-    x, y = data or mixed_data()
-    if model is None:
-        model = mixed_model()
-        optimizer = (mso.thor(model, frequency=frequency, **kwargs) if default else
-                     mso.thor(model, 0.05, 0.05, 0.9, frequency=frequency, block_size=4,
-                              **kwargs))
-        model.compile(optimizer=optimizer, loss="mse")
-    model.fit(x, y, batch_size=batch, epochs=1, shuffle=False, verbose=0)
-    return model
 
 
 @pytest.mark.parametrize("default, options", [
@@ -120,9 +113,8 @@ def test_gradient_accumulation_updates_as_the_larger_batch(default, options):
     """Two accumulated steps of 8 examples update as one step of 16: THOR sums their
     statistics as Keras averages their gradients (and subsamples them as the whole
     batch's)."""
-    whole = train_accumulating(16, default=default, **options)
-    accumulated = train_accumulating(8, default=default, gradient_accumulation_steps=2,
-                                     **options)
+    whole = train_mixed(16, default=default, **options)
+    accumulated = train_mixed(8, default=default, gradient_accumulation_steps=2, **options)
     assert int(accumulated.optimizer.iterations.numpy()) == 3
     assert_weights_close(accumulated.get_weights(), whole.get_weights(), rtol=1e-5)
     assert not np.allclose(whole.get_weights()[0], mixed_model().get_weights()[0])
@@ -132,15 +124,15 @@ def test_gradient_accumulation_resumes_exactly_within_a_cycle(tmp_path):
     """Saved after the first step of an accumulation cycle, the statistics it captured are
     saved with the gradients Keras accumulated: the resumed run ends as the uninterrupted."""
     x, y = mixed_data()
-    whole = train_accumulating(8, frequency=2, gradient_accumulation_steps=2)
+    whole = train_mixed(8, frequency=2, gradient_accumulation_steps=2)
     # 5 steps: the first of the third update, whose statistics refresh the inverses
-    first = train_accumulating(8, data=([part[:40] for part in x], y[:40]), frequency=2,
-                               gradient_accumulation_steps=2)
+    first = train_mixed(8, data=([part[:40] for part in x], y[:40]), frequency=2,
+                        gradient_accumulation_steps=2)
     path = str(tmp_path / "accumulating.keras")
     first.save(path)
     loaded = keras.models.load_model(path)
     mso.thor.connect(loaded)
-    train_accumulating(8, data=([part[40:] for part in x], y[40:]), model=loaded)
+    train_mixed(8, data=([part[40:] for part in x], y[40:]), model=loaded)
     for got, want in zip(loaded.get_weights(), whole.get_weights()):
         np.testing.assert_array_equal(got, want)
 
@@ -159,8 +151,9 @@ def test_xla_train_step_equals_plain():
     with it (the whole step, not THOR's per-update ``jit_compile``), on a host without a
     GPU, warns of XLA's slow factorisations."""
     plain = plain_weights()
-    whole, whole_warned = _warned_of_xla(lambda: train_mixed(xla=True))
-    updates, updates_warned = _warned_of_xla(lambda: train_mixed(jit_compile=True))
+    whole, whole_warned = _warned_of_xla(lambda: train_mixed(xla=True).get_weights())
+    updates, updates_warned = _warned_of_xla(
+        lambda: train_mixed(jit_compile=True).get_weights())
     assert_weights_close(whole, plain)
     assert_weights_close(updates, plain)
     assert whole_warned == (not tf.config.list_logical_devices("GPU"))
@@ -180,7 +173,7 @@ _PLAIN = {}
 def plain_weights():
     """The weights of ``train_mixed()`` (computed once per process)."""
     if "weights" not in _PLAIN:
-        _PLAIN["weights"] = train_mixed()
+        _PLAIN["weights"] = train_mixed().get_weights()
         keras.backend.clear_session()
     return _PLAIN["weights"]
 
@@ -195,13 +188,13 @@ def plain_weights():
     dict(loss_scale_factor=64.0),                      # Keras' own argument
 ], ids=["dynamic", "fixed_no_drop", "keras_wrapper", "loss_scale_factor"])
 def test_loss_scale_is_undone_in_g(scaling):
-    assert_weights_close(train_mixed(**scaling), plain_weights())
+    assert_weights_close(train_mixed(**scaling).get_weights(), plain_weights())
 
 
 def test_steps_per_execution_equals_a_step_a_call():
     """Several steps looped in one call of the train function (``steps_per_execution``),
     the THOR steps among them, give the weights of one step a call, to the bit."""
-    for got, want in zip(train_mixed(steps_per_execution=4), plain_weights()):
+    for got, want in zip(train_mixed(steps_per_execution=4).get_weights(), plain_weights()):
         np.testing.assert_array_equal(got, want)
 
 

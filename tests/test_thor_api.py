@@ -207,6 +207,48 @@ def test_connect_refuses_another_model():
         mso.thor.connect(other)
 
 
+def test_compiling_with_another_optimizer_stops_the_capture():
+    """Compiled with another optimizer after THOR, a model trains as one never connected to
+    THOR (the same weights, nothing captured). Compiled with the same THOR again (here inside
+    a LossScaleOptimizer) it captures again, and compiled with no optimizer (a custom loop's
+    loss alone) it goes on capturing."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(16, 4)).astype("float32")
+    y = rng.normal(size=(16, 2)).astype("float32")
+
+    def fit(model, optimizer):
+        model.compile(optimizer, "mse")
+        model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+
+    def cleared_statistics():
+        for statistics in thor._connection.statistics:
+            statistics.a.assign(tf.zeros_like(statistics.a))
+        return [statistics.a for statistics in thor._connection.statistics]
+
+    model, plain = small_model(), small_model()
+    thor = mso.thor(model, frequency=2)
+    fit(model, thor)
+    plain.set_weights(model.get_weights())
+    statistics = cleared_statistics()
+    fit(model, keras.optimizers.SGD(0.1))
+    fit(plain, keras.optimizers.SGD(0.1))
+    for got, want in zip(model.get_weights(), plain.get_weights()):
+        np.testing.assert_array_equal(got, want)
+    assert not any(np.any(a.numpy()) for a in statistics)
+
+    fit(model, mso.LossScaleOptimizer(thor))
+    assert all(np.any(a.numpy()) for a in statistics)
+    assert int(thor.iterations.numpy()) == 4
+
+    statistics = cleared_statistics()
+    model.compile(loss="mse")
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
+    thor.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
+                             model.trainable_variables))
+    assert all(np.any(a.numpy()) for a in statistics)
+
+
 # -- the default configuration ---------------------------------------------------------------
 
 def _classifier():

@@ -25,7 +25,8 @@ import tensorflow as tf
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.execution import global_batch, replicas_in_sync, when
 
-__all__ = ["LayerStatistics", "assign", "connect_when_built", "install", "install_model"]
+__all__ = ["LayerStatistics", "assign", "connect_when_built", "install", "install_model",
+           "watch_compile"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
 #: ``records``: the records of the model call being traced or run (per thread: replicas trace
@@ -164,15 +165,16 @@ class _Capture:
     output whose gradient every block of the layer reads."""
 
     def __init__(self, layer, blocks, original, statistics, batch, is_statistics_step,
-                 sampled):
+                 in_use, sampled):
         self.layer, self.blocks, self.original = layer, blocks, original
         self.statistics, self.batch = statistics, batch
-        self.is_statistics_step, self.sampled = is_statistics_step, sampled
+        self.is_statistics_step, self.in_use, self.sampled = is_statistics_step, in_use, sampled
 
     def __call__(self, inputs, *args, **kwargs):
-        if not compat.gradient_may_be_recorded():
-            # No gradient can be taken (predict, evaluate, serving functions): nothing to
-            # record, and inference graphs stay free of THOR's state.
+        if not (compat.gradient_may_be_recorded() and self.in_use()):
+            # No gradient can be taken (predict, evaluate, serving functions), or the model
+            # trains with another optimizer: nothing to record, and the graph holds nothing
+            # of THOR's.
             return self.original(inputs, *args, **kwargs)
         if self.statistics is None:       # no factors: only the global batch is needed
             def observe(outputs, pieces=None):
@@ -218,13 +220,14 @@ def _patch(target, name, make):
     object.__setattr__(target, name, make(original))
 
 
-def install(layer, blocks, statistics, batch, is_statistics_step, sampled=None):
+def install(layer, blocks, statistics, batch, is_statistics_step, in_use, sampled=None):
     """Patches ``layer.call`` to capture the statistics of its ``blocks`` into their
-    ``statistics`` buffers (None for blocks without factors), replacing an earlier patch;
-    with ``sampled`` (a :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer
-    hands its statistics' inputs to it instead of recording them itself."""
+    ``statistics`` buffers (None for blocks without factors) while ``in_use()``, replacing
+    an earlier patch; with ``sampled`` (a
+    :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer hands its statistics'
+    inputs to it instead of recording them itself."""
     _patch(layer, "call", lambda original: _Capture(layer, blocks, original, statistics, batch,
-                                                    is_statistics_step, sampled))
+                                                    is_statistics_step, in_use, sampled))
 
 
 def connect_when_built(model, building):
@@ -239,19 +242,35 @@ def connect_when_built(model, building):
     _patch(model, compat.SYMBOLIC_BUILD, make)
 
 
-def install_model(model, sampled):
+def install_model(model, sampled, in_use):
     """Patches ``model.call`` to mark one call of the model (:func:`model_call`) and, for the
-    sampled Fisher, to record its statistics, and the model's build before tracing
-    (:func:`tf_msopt._keras_compat.symbolic_build`), so that ``fit`` traces its train step
-    once."""
+    sampled Fisher, to record its statistics while ``in_use()``, and the model's build
+    before tracing (:func:`tf_msopt._keras_compat.symbolic_build`), so that ``fit`` traces
+    its train step once."""
     def make(original):
-        call = original if sampled is None else sampled.wrap(original)
+        recording = original if sampled is None else sampled.wrap(original)
 
         @functools.wraps(original)
         def one_model_call(*args, **kwargs):
             with model_call():
-                return call(*args, **kwargs)
+                return (recording if in_use() else original)(*args, **kwargs)
         return one_model_call
     _patch(model, "call", make)
     _patch(model, compat.SYMBOLIC_BUILD, lambda original: functools.partial(
         compat.symbolic_build, model, original))
+
+
+def watch_compile(model, compiled_with):
+    """Patches ``model.compile`` to call ``compiled_with(optimizer)`` once it has compiled the
+    model with an ``optimizer`` given (Keras' default, given none, changes nothing: a
+    custom training loop compiles for its loss and metrics alone)."""
+    def make(original):
+        @functools.wraps(original)
+        def compile(*args, **kwargs):
+            compiled = original(*args, **kwargs)
+            optimizer = args[0] if args else kwargs.get("optimizer")
+            if optimizer is not None:
+                compiled_with(optimizer)
+            return compiled
+        return compile
+    _patch(model, "compile", make)

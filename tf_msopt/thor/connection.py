@@ -46,6 +46,8 @@ class ModelConnection:
             reads (its preconditioner's).
         batch_size: the global batch size until one is observed.
         is_statistics_step: returns whether this step records statistics.
+        in_use: returns whether the model trains with this THOR (nothing is recorded
+            while it does not).
         strategy: the distribution strategy the buffers are created under.
         sampled_seed: the seed of the sampled Fisher's labels; None for the empirical
             Fisher.
@@ -55,7 +57,7 @@ class ModelConnection:
     """
 
     def __init__(self, model, blocks, layers, rows, *, block_size, weight_sharing, batch_size,
-                 is_statistics_step, statistics_rows=None, statistics_shapes=None, strategy,
+                 is_statistics_step, in_use, statistics_rows=None, statistics_shapes=None, strategy,
                  sampled_seed=None, step=None, fisher_distribution=None, steps_per_update=1):
         self.model = weakref.ref(model)
         self.layers, self.rows = layers, rows
@@ -76,8 +78,8 @@ class ModelConnection:
         for layer, layer_blocks in by_layer.values():
             statistics = [next(buffers) for block in layer_blocks if block.has_factors]
             install(layer, layer_blocks, statistics or None, self.batch, is_statistics_step,
-                    sampled)
-        install_model(model, sampled)
+                    in_use, sampled)
+        install_model(model, sampled, in_use)
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again
 

@@ -15,6 +15,7 @@ replaces its entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momen
 """
 from tf_msopt._validation import check_choice, type_name
 from tf_msopt.thor.experimental import split_experimental
+from tf_msopt.thor.model_link import wrapped_optimizers
 from tf_msopt.thor.optimizer import THOR
 
 __all__ = ["DEFAULTS", "connect", "thor"]
@@ -81,15 +82,14 @@ def connect(model):
     Finds THOR in ``model.optimizer``, inside any ``LossScaleOptimizer``, and
     calls :meth:`THOR.connect`. Returns the THOR optimizer.
     """
-    optimizer = getattr(model, "optimizer", None)
-    while optimizer is not None and not isinstance(optimizer, THOR):
-        optimizer = getattr(optimizer, "inner_optimizer", None)
-    if optimizer is None:
+    compiled = getattr(model, "optimizer", None)
+    found = [o for o in wrapped_optimizers(compiled) if isinstance(o, THOR)]
+    if not found:
         raise ValueError(
             f"For '{_OWNER}', the model has no THOR optimizer to connect (its optimizer is "
-            f"'{type_name(getattr(model, 'optimizer', None))}'); compile it with one first."
+            f"'{type_name(compiled)}'); compile it with one first."
         )
-    return optimizer.connect(model)
+    return found[0].connect(model)
 
 
 thor.connect = connect

@@ -8,12 +8,19 @@ import contextlib
 import weakref
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt.thor.capture import connect_when_built
+from tf_msopt.thor.capture import connect_when_built, watch_compile
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
 from tf_msopt.thor.report import ThorReport, planned_rows, survey
 from tf_msopt.thor.sampled_fisher import output_distribution
 
-__all__ = ["ModelLink"]
+__all__ = ["ModelLink", "wrapped_optimizers"]
+
+
+def wrapped_optimizers(optimizer):
+    """``optimizer`` and the optimizers it wraps (``inner_optimizer``), outermost first."""
+    while optimizer is not None:
+        yield optimizer
+        optimizer = getattr(optimizer, "inner_optimizer", None)
 
 
 class ModelLink:
@@ -25,6 +32,7 @@ class ModelLink:
     _fisher_distribution = None
     _unbuilt_model = None       # a weak reference to a model to connect once it is built
     _model_building = False     # whether fit (evaluate, train_on_batch) is building it
+    _in_use = True              # False once the model is compiled with another optimizer
 
     def connect(self, model):
         """Connects THOR to ``model``: patches its layers to capture statistics.
@@ -34,8 +42,14 @@ class ModelLink:
         there is one. The model must have the layers THOR was created for (same names,
         kinds and shapes). A model not built yet (a ``Sequential`` without an ``Input``, a
         subclassed model) is connected when ``fit``, ``evaluate`` or ``train_on_batch``
-        builds it, before they trace a step. Returns this optimizer.
+        builds it, before they trace a step.
+
+        Compiling the model with another optimizer stops the capture (the model's steps
+        then cost what they cost without THOR); compiling it with this one again resumes
+        it. Returns this optimizer.
         """
+        self._in_use = True
+        watch_compile(model, self._compiled_with)
         if not model.built:
             self._unbuilt_model = weakref.ref(model)
             connect_when_built(model, self._building_model)
@@ -50,12 +64,15 @@ class ModelLink:
             statistics_rows=options.statistics_rows,
             statistics_shapes=self.preconditioner.statistics_shapes,
             batch_size=options.batch_size,
-            is_statistics_step=self._is_statistics_step,
+            is_statistics_step=self._is_statistics_step, in_use=lambda: self._in_use,
             strategy=compat.distribution_strategy(self),
             sampled_seed=options.seed if options.fisher == "sampled" else None,
             step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution,
             steps_per_update=self.gradient_accumulation_steps or 1)
         return self
+
+    def _compiled_with(self, optimizer):
+        self._in_use = any(wrapped is self for wrapped in wrapped_optimizers(optimizer))
 
     @contextlib.contextmanager
     def _building_model(self):

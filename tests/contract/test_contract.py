@@ -4,8 +4,8 @@ Each test runs for AddSign, PowerSign, LARS around SGD and around Adam, AdamOffl
 each also inside ``mso.LossScaleOptimizer`` (``cases.py``), and checks numbers: a Keras
 feature (clipping, weight-decay exclusion, EMA, gradient accumulation, ...) must give what
 doing the same by hand gives, and saving, distribution, XLA and variable kinds must not change
-the result. Where a feature cannot apply (THOR with gradient accumulation, AdamOffload under
-XLA) the test checks the error says why.
+the result. Where a feature cannot apply (AdamOffload under XLA) the test checks the error
+says why.
 
 Cases whose code differs without the compiled custom ops are marked ``ops_path``: ``make
 test``'s kill-switch pass runs only those.

@@ -126,7 +126,7 @@ def test_unsaveable_callables_say_so(kwargs, argument):
 
 def test_unconnected_thor_raises_at_first_step():
     model = small_model()
-    optimizer = mso.THOR.from_config(mso.thor(model, 0.1, 0.03, 0.9).get_config())
+    optimizer = mso.THOR.from_config(mso.thor(small_model(), 0.1, 0.03, 0.9).get_config())
     model.compile(optimizer=optimizer, loss="mse")
     with pytest.raises(RuntimeError, match="not connected"):
         model.train_on_batch(np.ones((2, 4), "float32"), np.ones((2, 2), "float32"))
@@ -210,8 +210,8 @@ def test_connect_refuses_another_model():
 def test_compiling_with_another_optimizer_stops_the_capture():
     """Compiled with another optimizer after THOR, a model trains as one never connected to
     THOR (the same weights, nothing captured). Compiled with the same THOR again (here inside
-    a LossScaleOptimizer) it captures again, and compiled with no optimizer (a custom loop's
-    loss alone) it goes on capturing."""
+    a LossScaleOptimizer) it captures again, also when another THOR was connected since;
+    compiled with no optimizer (a custom loop's loss alone) it goes on capturing."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 4)).astype("float32")
     y = rng.normal(size=(16, 2)).astype("float32")
@@ -220,33 +220,43 @@ def test_compiling_with_another_optimizer_stops_the_capture():
         model.compile(optimizer, "mse")
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
-    def cleared_statistics():
-        for statistics in thor._connection.statistics:
-            statistics.a.assign(tf.zeros_like(statistics.a))
-        return [statistics.a for statistics in thor._connection.statistics]
+    def cleared_statistics(optimizer):
+        buffers = [statistics.a for statistics in optimizer._connection.statistics]
+        for buffer in buffers:
+            buffer.assign(tf.zeros_like(buffer))
+        return buffers
+
+    def written(buffers):
+        return [bool(np.any(buffer.numpy())) for buffer in buffers]
 
     model, plain = small_model(), small_model()
     thor = mso.thor(model, frequency=2)
     fit(model, thor)
     plain.set_weights(model.get_weights())
-    statistics = cleared_statistics()
+    statistics = cleared_statistics(thor)
     fit(model, keras.optimizers.SGD(0.1))
     fit(plain, keras.optimizers.SGD(0.1))
     for got, want in zip(model.get_weights(), plain.get_weights()):
         np.testing.assert_array_equal(got, want)
-    assert not any(np.any(a.numpy()) for a in statistics)
+    assert written(statistics) == [False, False]
 
     fit(model, mso.LossScaleOptimizer(thor))
-    assert all(np.any(a.numpy()) for a in statistics)
-    assert int(thor.iterations.numpy()) == 4
+    assert written(statistics) == [True, True]
 
-    statistics = cleared_statistics()
+    other = mso.thor(model, frequency=2)     # takes the layers over
+    other_statistics = cleared_statistics(other)
+    fit(model, thor)                         # connects thor again (new buffers)
+    assert written([statistics.a for statistics in thor._connection.statistics]) == [True, True]
+    assert written(other_statistics) == [False, False]
+    assert int(thor.iterations.numpy()) == 6
+
+    statistics = cleared_statistics(thor)
     model.compile(loss="mse")
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean((model(x, training=True) - y) ** 2)
     thor.apply_gradients(zip(tape.gradient(loss, model.trainable_variables),
                              model.trainable_variables))
-    assert all(np.any(a.numpy()) for a in statistics)
+    assert written(statistics) == [True, True]
 
 
 # -- the default configuration ---------------------------------------------------------------

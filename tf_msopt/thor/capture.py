@@ -261,16 +261,16 @@ def install_model(model, sampled, in_use):
 
 
 def watch_compile(model, compiled_with):
-    """Patches ``model.compile`` to call ``compiled_with(optimizer)`` once it has compiled the
-    model with an ``optimizer`` given (Keras' default, given none, changes nothing: a
-    custom training loop compiles for its loss and metrics alone)."""
+    """Patches ``model.compile`` to call ``compiled_with(model, optimizer)`` once it has
+    compiled the model with an ``optimizer`` given (Keras' default, given none, changes
+    nothing: a custom training loop compiles for its loss and metrics alone)."""
     def make(original):
         @functools.wraps(original)
         def compile(*args, **kwargs):
             compiled = original(*args, **kwargs)
             optimizer = args[0] if args else kwargs.get("optimizer")
             if optimizer is not None:
-                compiled_with(optimizer)
+                compiled_with(model, optimizer)
             return compiled
         return compile
     _patch(model, "compile", make)

@@ -45,8 +45,8 @@ class ModelLink:
         builds it, before they trace a step.
 
         Compiling the model with another optimizer stops the capture (the model's steps
-        then cost what they cost without THOR); compiling it with this one again resumes
-        it. Returns this optimizer.
+        then cost what they cost without THOR), and with another THOR connects that one;
+        compiling it with this one again resumes it. Returns this optimizer.
         """
         self._in_use = True
         watch_compile(model, self._compiled_with)
@@ -71,8 +71,13 @@ class ModelLink:
             steps_per_update=self.gradient_accumulation_steps or 1)
         return self
 
-    def _compiled_with(self, optimizer):
-        self._in_use = any(wrapped is self for wrapped in wrapped_optimizers(optimizer))
+    def _compiled_with(self, model, optimizer):
+        """The model, connected to this THOR, was compiled with ``optimizer``; a THOR other
+        than this one in it is connected to the model in this one's place."""
+        found = [o for o in wrapped_optimizers(optimizer) if isinstance(o, ModelLink)]
+        self._in_use = any(o is self for o in found)
+        if found and not self._in_use:
+            found[0].connect(model)
 
     @contextlib.contextmanager
     def _building_model(self):

@@ -315,6 +315,40 @@ def test_shared_layer_trains_as_one_call_on_every_input(two_cpu_strategy, option
         assert_weights_close(shared.get_weights(), stacked.get_weights(), rtol=1e-5)
 
 
+def test_a_layer_two_models_share_feeds_the_thor_of_the_model_trained():
+    """Two models share a layer, each connected to its own THOR before either trains: each
+    trains as it would without the other model's THOR."""
+    rng = np.random.default_rng(4)
+    x = rng.normal(size=(32, 5)).astype("float32")
+    labels = rng.integers(0, 3, size=32)
+
+    def models():
+        keras.utils.set_random_seed(0)
+        shared = keras.layers.Dense(6, activation="tanh", name="shared")
+        return (keras.Sequential([keras.Input((5,)), shared, keras.layers.Dense(3)]),
+                keras.Sequential([keras.Input((5,)), shared, keras.layers.Dense(5)]))
+
+    def fit(model, optimizer, classify):
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+            from_logits=True) if classify else "mse")
+        model.fit(x, labels if classify else x, batch_size=8, epochs=1, shuffle=False,
+                  verbose=0)
+        return model.get_weights()
+
+    classifier, reconstruction = models()
+    optimizers = [mso.thor(model, frequency=2) for model in (classifier, reconstruction)]
+    got = [fit(classifier, optimizers[0], True)]
+    start = reconstruction.get_weights()
+    got.append(fit(reconstruction, optimizers[1], False))
+
+    classifier_alone, reconstruction_alone = models()[0], models()[1]
+    reconstruction_alone.set_weights(start)
+    want = [fit(model, mso.thor(model, frequency=2), classify) for model, classify in (
+        (classifier_alone, True), (reconstruction_alone, False))]
+    for got_weights, want_weights in zip(got, want):
+        assert_weights_close(got_weights, want_weights, rtol=0)
+
+
 @pytest.mark.parametrize("layer, shape", [
     (keras.layers.SeparableConv2D(4, 3, padding="same", depth_multiplier=2,
                                   data_format="channels_first"), (2, 3, 6, 5)),

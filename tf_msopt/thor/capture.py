@@ -13,11 +13,14 @@ Fisher (:mod:`tf_msopt.thor.sampled_fisher`) the layers only hand their inputs a
 outputs to the model-level capture, which records after the forward pass.
 
 A layer called more than once in one call of the model (shared weights) adds the rows of
-its later calls to those of its first, as if they were more examples of one call.
+its later calls to those of its first, as if they were more examples of one call. A layer
+that several models share, each connected to its own THOR, feeds the THOR of the model
+being called.
 """
 import contextlib
 import functools
 import threading
+import weakref
 
 import keras
 import tensorflow as tf
@@ -29,8 +32,8 @@ __all__ = ["LayerStatistics", "assign", "connect_when_built", "install", "instal
            "watch_compile"]
 
 _ORIGINAL = "_tf_msopt_thor_original_{}"
-#: ``records``: the records of the model call being traced or run (per thread: replicas trace
-#: in threads), each layer's latest; None outside a call of the model.
+#: The call of a connected model being traced or run (per thread: replicas trace in
+#: threads): ``model``, and ``records``, each layer's latest record; None outside one.
 _model_call = threading.local()
 
 
@@ -115,17 +118,18 @@ def assign_add(variable, value):
 
 
 @contextlib.contextmanager
-def model_call():
-    """One call of the model (a nested one joins the outer): the records of a layer's later
-    calls within it add to its first's."""
+def model_call(model):
+    """One call of ``model`` (a nested one joins the outer): its layers feed the THOR
+    connected through it, and the records of a layer's later calls within it add to its
+    first's."""
     outer = getattr(_model_call, "records", None)
     if outer is None:
-        _model_call.records = {}
+        _model_call.model, _model_call.records = model, {}
     try:
         yield
     finally:
         if outer is None:
-            _model_call.records = None
+            _model_call.model = _model_call.records = None
 
 
 def _after(token):
@@ -220,14 +224,35 @@ def _patch(target, name, make):
     object.__setattr__(target, name, make(original))
 
 
-def install(layer, blocks, statistics, batch, is_statistics_step, in_use, sampled=None):
-    """Patches ``layer.call`` to capture the statistics of its ``blocks`` into their
-    ``statistics`` buffers (None for blocks without factors) while ``in_use()``, replacing
-    an earlier patch; with ``sampled`` (a
+class _Captures:
+    """The patched ``call`` of a layer: in a call of a connected model, the layer's capture
+    for that model (one per model, its latest connection's; none where that model's THOR
+    does not treat the layer); called outside one, the latest capture installed."""
+
+    def __init__(self, original):
+        self.original = original
+        self.by_model = weakref.WeakKeyDictionary()
+        self.latest = None
+
+    def __call__(self, *args, **kwargs):
+        model = getattr(_model_call, "model", None)
+        capture = self.latest if model is None else self.by_model.get(model)
+        return (capture or self.original)(*args, **kwargs)
+
+
+def install(layer, model, blocks, statistics, batch, is_statistics_step, in_use,
+            sampled=None):
+    """Patches ``layer.call`` to capture, in calls of ``model``, the statistics of its
+    ``blocks`` into their ``statistics`` buffers (None for blocks without factors) while
+    ``in_use()``, replacing an earlier patch for ``model``; with ``sampled`` (a
     :class:`~tf_msopt.thor.sampled_fisher.SampledFisher`) the layer hands its statistics'
     inputs to it instead of recording them itself."""
-    _patch(layer, "call", lambda original: _Capture(layer, blocks, original, statistics, batch,
-                                                    is_statistics_step, in_use, sampled))
+    captures = layer.__dict__.get("call")
+    if not isinstance(captures, _Captures):
+        captures = _Captures(layer.call)
+        object.__setattr__(layer, "call", captures)
+    captures.latest = captures.by_model[model] = _Capture(
+        layer, blocks, captures.original, statistics, batch, is_statistics_step, in_use, sampled)
 
 
 def connect_when_built(model, building):
@@ -252,7 +277,7 @@ def install_model(model, sampled, in_use):
 
         @functools.wraps(original)
         def one_model_call(*args, **kwargs):
-            with model_call():
+            with model_call(model):
                 return (recording if in_use() else original)(*args, **kwargs)
         return one_model_call
     _patch(model, "call", make)

@@ -77,8 +77,8 @@ class ModelConnection:
         buffers = iter(self.statistics)
         for layer, layer_blocks in by_layer.values():
             statistics = [next(buffers) for block in layer_blocks if block.has_factors]
-            install(layer, layer_blocks, statistics or None, self.batch, is_statistics_step,
-                    in_use, sampled)
+            install(layer, model, layer_blocks, statistics or None, self.batch,
+                    is_statistics_step, in_use, sampled)
         install_model(model, sampled, in_use)
         if getattr(model, "train_function", None) is not None:
             model.train_function = None    # traced without the capture: trace again

@@ -165,8 +165,8 @@ def _observe(output, record):
 
 
 class _Capture:
-    """The patched ``call`` of one layer: its first block runs the call and observes the
-    output whose gradient every block of the layer reads."""
+    """One layer's call as one connection captures it: its first block runs the call and
+    observes the output whose gradient every block of the layer reads."""
 
     def __init__(self, layer, blocks, original, statistics, batch, is_statistics_step,
                  in_use, sampled):

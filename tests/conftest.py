@@ -30,7 +30,8 @@ _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})
 #: golden-value checks, the files written on another machine, the contract's equivalences
 #: and the short trainings against a level. ``make test`` runs them again with oneDNN capped
 #: at AVX2, with and without its kernels (and the compiled ops), as a machine without
-#: AVX-512 computes them.
+#: AVX-512 computes them. Not the contract's loss-scaled cases: their scale is a power of
+#: two (exact), so under the caps they compute what their unscaled cases do.
 _CPU_ARITHMETIC_PATHS = ("contract/", "test_thor_numerics.py", "test_thor_legacy_files.py",
                          "test_thor_training.py")
 #: The tests of those paths that compute nothing, count traces, raise, or compare a run with a
@@ -77,6 +78,11 @@ def _capped_below_half_precision():
             f"takes its half-precision kernels, which then crash")
 
 
+def _loss_scaled_contract_case(item):
+    case = getattr(item, "callspec", None) and item.callspec.params.get("case")
+    return isinstance(case, str) and case.startswith("lso_")
+
+
 def pytest_collection_modifyitems(config, items):
     tests = os.path.dirname(os.path.abspath(__file__))
     half_precision_crash = _capped_below_half_precision()
@@ -84,7 +90,8 @@ def pytest_collection_modifyitems(config, items):
         if item.module.__name__ in _OPS_PATH_MODULES:
             item.add_marker(pytest.mark.ops_path)
         if (os.path.relpath(str(item.path), tests).startswith(_CPU_ARITHMETIC_PATHS)
-                and item.originalname not in _SAME_ON_EVERY_CPU):
+                and item.originalname not in _SAME_ON_EVERY_CPU
+                and not _loss_scaled_contract_case(item)):
             item.add_marker(pytest.mark.cpu_arithmetic)
         if half_precision_crash and "half_precision" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=half_precision_crash))

@@ -220,8 +220,11 @@ def test_compiling_with_another_optimizer_stops_the_capture():
         model.compile(optimizer, "mse")
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
+    def a_statistics(optimizer):
+        return [statistics.a for statistics in optimizer._connection.statistics]
+
     def cleared_statistics(optimizer):
-        buffers = [statistics.a for statistics in optimizer._connection.statistics]
+        buffers = a_statistics(optimizer)
         for buffer in buffers:
             buffer.assign(tf.zeros_like(buffer))
         return buffers
@@ -246,7 +249,7 @@ def test_compiling_with_another_optimizer_stops_the_capture():
     other = mso.thor(model, frequency=2)     # takes the layers over
     other_statistics = cleared_statistics(other)
     fit(model, thor)                         # connects thor again (new buffers)
-    assert written([statistics.a for statistics in thor._connection.statistics]) == [True, True]
+    assert written(a_statistics(thor)) == [True, True]
     assert written(other_statistics) == [False, False]
     assert int(thor.iterations.numpy()) == 6
 

@@ -341,6 +341,7 @@ def test_a_layer_two_models_share_feeds_the_thor_of_the_model_trained():
     start = reconstruction.get_weights()
     got.append(fit(reconstruction, optimizers[1], False))
 
+    # Each from a pair of its own: no other model of its layer has a THOR.
     classifier_alone, reconstruction_alone = models()[0], models()[1]
     reconstruction_alone.set_weights(start)
     want = [fit(model, mso.thor(model, frequency=2), classify) for model, classify in (

@@ -191,6 +191,10 @@ def render_adam_offload_step_idle(results):
     return _adam_columns(["adam_offload_step_idle.json"], results)
 
 
+def render_adam_offload_step_zen5(results):
+    return _adam_columns(["adam_offload_step_zen5.json"], results)
+
+
 THOR_MODELS = {
     "mlp": "MLP 784-512-512-10",
     "resnet50": "`keras.applications.ResNet50(weights=None)`, 64x64x3",
@@ -703,6 +707,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "adam_offload_step": (render_adam_offload_step,
                           ["adam_offload_step.json", "adam_offload_step_200.json"]),
     "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
+    "adam_offload_step_zen5": (render_adam_offload_step_zen5, ["adam_offload_step_zen5.json"]),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
     "thor_step_workers": (render_thor_step_workers, WORKERS_FILES),

@@ -93,7 +93,27 @@ def test_report_names_every_variable_and_why():
     assert "overrides call()" in reasons[model.get_layer("own_call").kernel.path]
     assert "kernel only" in reasons[model.get_layer("head").bias.path]
     assert "A 18x18 in 1 block(s), G 4x4 in 1 block(s)" in text
-    assert report.inverse_backend in text and report.connected
+    assert report.connected
+
+
+@pytest.mark.parametrize("kwargs, schedule, inverts", [
+    ({}, "statistics every step into moving averages (decay 0.95), eigenvectors every 10 "
+         "steps, each basis kept while it still holds", False),
+    (dict(eigenbasis_tolerance=None, frequency=20, statistics_decay=0.9,
+          experimental=dict(statistics_frequency=4)),
+     "statistics every 4 steps into moving averages (decay 0.9), eigenvectors every 20 steps",
+     False),
+    (dict(preconditioner="inverse", damping=0.03, statistics_decay=None, graft=None,
+          kl_clip=None, frequency=5), "statistics and inverses every 5 steps", True),
+])
+def test_report_says_when_each_part_is_renewed(kwargs, schedule, inverts):
+    report = mso.thor(small_model(), **kwargs).report()
+    header = str(report).splitlines()[0]
+    assert report.schedule == schedule and f"first order; {schedule}; blocks of" in header
+    # The eigenbasis inverts nothing, so no inverse op is named.
+    assert (report.inverse_backend is not None) == inverts
+    assert header.endswith(f"; inverse back-end: {report.inverse_backend}" if inverts
+                           else "blocks of 1024")
 
 
 # -- config, connection ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import weakref
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.capture import connect_when_built, watch_compile
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
-from tf_msopt.thor.report import ThorReport, planned_rows, survey
+from tf_msopt.thor.report import ThorReport, describe_schedule, planned_rows, survey
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 __all__ = ["ModelLink", "wrapped_optimizers"]
@@ -133,9 +133,12 @@ class ModelLink:
         rows = (self._connection.rows if self._connection is not None
                 else planned_rows(self._blocks or (), self.options.block_size))
         decisions = self._estimator.trace_decisions() if self.built else {}
-        return ThorReport(tuple(rows), self.options.frequency, self.options.block_size,
-                          inverse_backend(), self._connection is not None, decisions,
-                          awaiting_build=self._unbuilt_model is not None)
+        options = self.options
+        backend = inverse_backend() if options.preconditioner == "inverse" else None
+        return ThorReport(tuple(rows), options.frequency, options.block_size, backend,
+                          self._connection is not None, decisions,
+                          awaiting_build=self._unbuilt_model is not None,
+                          schedule=describe_schedule(options))
 
     def savedmodel_only_children(self):
         # A training step traced in a SavedModel captures the capture buffers, so the

@@ -11,7 +11,7 @@ import dataclasses
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.curvature_blocks import blocks_for
 
-__all__ = ["ReportRow", "ThorReport", "planned_rows", "survey"]
+__all__ = ["ReportRow", "ThorReport", "describe_schedule", "planned_rows", "survey"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +60,19 @@ def survey(model, block_size):
     return blocks, layers, rows
 
 
+def describe_schedule(options):
+    """When THOR measures its statistics and refreshes its preconditioner, in words."""
+    refreshed = "eigenvectors" if options.preconditioner == "eigenbasis" else "inverses"
+    kept = (", each basis kept while it still holds"
+            if refreshed == "eigenvectors" and options.eigenbasis_tolerance is not None else "")
+    if options.statistics_decay is None:
+        return f"statistics and {refreshed} every {options.frequency} steps{kept}"
+    every = options.statistics_frequency
+    statistics = "every step" if every == 1 else f"every {every} steps"
+    return (f"statistics {statistics} into moving averages (decay {options.statistics_decay:g}), "
+            f"{refreshed} every {options.frequency} steps{kept}")
+
+
 def planned_rows(blocks, block_size):
     """The rows of an optimizer not connected to a model: the variables its blocks treat."""
     return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
@@ -74,6 +87,9 @@ class ThorReport:
     ``str(report)`` is a table; ``rows`` holds one
     :class:`ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
+    ``schedule`` says when the statistics and the preconditioner are renewed;
+    ``inverse_backend`` names the inverse op in use, None where the preconditioner
+    inverts nothing (the eigenbasis).
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
     counts of inversions ``(refreshed, reused, frozen)``. ``awaiting_build``: THOR was
     created for a model not built yet, and connects when ``fit`` builds it.
@@ -82,10 +98,11 @@ class ThorReport:
     rows: tuple
     frequency: int
     block_size: object
-    inverse_backend: str
+    inverse_backend: object
     connected: bool
     trace_decisions: dict = dataclasses.field(default_factory=dict)
     awaiting_build: bool = False
+    schedule: str = ""
 
     @property
     def preconditioned(self):
@@ -99,9 +116,10 @@ class ThorReport:
 
     def __str__(self):
         header = (f"THOR: {len(self.preconditioned)} variable(s) with a THOR rule, "
-                  f"{len(self.first_order)} first order; statistics and inverses every "
-                  f"{self.frequency} steps; blocks of {self.block_size or 'full size'}; "
-                  f"inverse back-end: {self.inverse_backend}")
+                  f"{len(self.first_order)} first order; {self.schedule}; "
+                  f"blocks of {self.block_size or 'full size'}")
+        if self.inverse_backend is not None:
+            header += f"; inverse back-end: {self.inverse_backend}"
         if self.awaiting_build:
             header += ("\nNOT CONNECTED yet: the model is not built; fit, evaluate or "
                        "train_on_batch connect THOR when they build it")

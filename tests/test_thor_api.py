@@ -96,6 +96,23 @@ def test_report_names_every_variable_and_why():
     assert report.connected
 
 
+def test_report_of_the_default_says_which_variables_take_adams_step():
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, name="fc"),
+                              keras.layers.LayerNormalization(name="ln")], name="model")
+    report = mso.thor(model).report()
+    # The graft gives LayerNorm Adam's step, in place of MindSpore's rule (which reads the
+    # damping the default does not have).
+    assert report.preconditioned == ["model/fc/kernel"]
+    assert "first order (Adam's step)" in str(report).splitlines()[0]
+    for name in ("gamma", "beta"):
+        assert "Adam's step instead of the LayerNorm rule" in report.first_order[
+            f"model/ln/{name}"]
+    # An optimizer restored from its config, before it is connected, says the same.
+    unconnected = mso.THOR.from_config(mso.thor(model).get_config()).report()
+    rules = {row.variable: row.rule for row in report.rows if not row.variable.endswith("bias")}
+    assert {f"model/{row.variable}": row.rule for row in unconnected.rows} == rules
+
+
 @pytest.mark.parametrize("kwargs, schedule, inverts", [
     ({}, "statistics every step into moving averages (decay 0.95), eigenvectors every 10 "
          "steps, each basis kept while it still holds", False),
@@ -109,7 +126,7 @@ def test_report_names_every_variable_and_why():
 def test_report_says_when_each_part_is_renewed(kwargs, schedule, inverts):
     report = mso.thor(small_model(), **kwargs).report()
     header = str(report).splitlines()[0]
-    assert report.schedule == schedule and f"first order; {schedule}; blocks of" in header
+    assert report.schedule == schedule and f"); {schedule}; blocks of" in header
     # The eigenbasis inverts nothing, so no inverse op is named.
     assert (report.inverse_backend is not None) == inverts
     assert header.endswith(f"; inverse back-end: {report.inverse_backend}" if inverts

@@ -47,9 +47,11 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     experimental options (:class:`~tf_msopt.thor.experimental.Experimental`) are taken by
     name too.
 
-    Dense, Conv1D/Conv2D and Embedding kernels get Kronecker-factored
-    preconditioning, LayerNormalization gamma/beta the LayerNorm rule, every
-    other variable its plain gradient; ``optimizer.report()`` lists which and
+    The kernels of Dense, EinsumDense, convolution (1D, 2D, 3D, transposed, depthwise,
+    separable, grouped), Embedding and recurrent (SimpleRNN, GRU, LSTM) layers get
+    Kronecker-factored preconditioning; every other variable takes Adam's step with the
+    default's graft, or without one its plain gradient (LayerNormalization's gamma and beta
+    MindSpore's LayerNorm rule); ``optimizer.report()`` lists which and
     why. Call it under the distribution strategy's scope, if any, and pass the
     result to ``model.compile``. Arguments: as :class:`THOR` (MindSpore's
     ``nn.thor`` names and defaults, plus ``block_size``).

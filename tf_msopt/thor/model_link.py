@@ -56,7 +56,7 @@ class ModelLink:
             return self
         self._unbuilt_model = None
         options = self.options
-        blocks, layers, rows = survey(model, options.block_size)
+        blocks, layers, rows = survey(model, options.block_size, options.graft)
         self._blocks = matching_blocks(self._blocks, blocks, self.built)
         self._connection = ModelConnection(
             model, blocks, layers, rows, block_size=options.block_size,
@@ -130,15 +130,15 @@ class ModelLink:
         """A :class:`tf_msopt.thor.ThorReport`: every trainable variable's rule and why."""
         from tf_msopt.ops.inverse import inverse_backend
 
-        rows = (self._connection.rows if self._connection is not None
-                else planned_rows(self._blocks or (), self.options.block_size))
-        decisions = self._estimator.trace_decisions() if self.built else {}
         options = self.options
+        rows = (self._connection.rows if self._connection is not None
+                else planned_rows(self._blocks or (), options.block_size, options.graft))
+        decisions = self._estimator.trace_decisions() if self.built else {}
         backend = inverse_backend() if options.preconditioner == "inverse" else None
         return ThorReport(tuple(rows), options.frequency, options.block_size, backend,
                           self._connection is not None, decisions,
                           awaiting_build=self._unbuilt_model is not None,
-                          schedule=describe_schedule(options))
+                          schedule=describe_schedule(options), graft=options.graft)
 
     def savedmodel_only_children(self):
         # A training step traced in a SavedModel captures the capture buffers, so the

@@ -25,9 +25,9 @@ class ReportRow:
     reason: str
 
 
-def survey(model, block_size):
+def survey(model, block_size, graft=None):
     """Gives every trainable variable of ``model`` (built: its layers' shapes are known) a
-    rule.
+    rule (with ``graft``, Adam's step in place of a rule without factors).
 
     Returns:
         ``(blocks, layers, rows)``: the curvature block of each layer THOR treats,
@@ -48,12 +48,12 @@ def survey(model, block_size):
         for block in found:
             blocks.append(block)
             layers.append(layer)
-            rules.update({id(v): block.describe(block_size)
+            rules.update({id(v): _rule(block, block_size, graft)
                           for v in block.treated_variables(layer)})
         for variable in variables:
             if id(variable) in rules:
-                rows.append(ReportRow(layer.name, layer_type, variable.path, rules[id(variable)],
-                                      ""))
+                rows.append(ReportRow(layer.name, layer_type, variable.path,
+                                      *rules[id(variable)]))
             else:
                 why = reason or f"THOR preconditions the {layer_type} kernel only"
                 rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))
@@ -73,10 +73,18 @@ def describe_schedule(options):
             f"{refreshed} every {options.frequency} steps{kept}")
 
 
-def planned_rows(blocks, block_size):
+def _rule(block, block_size, graft):
+    """``(rule, reason)`` of the variables ``block`` treats: a graft gives Adam's step to a
+    block without factors (the LayerNorm rule), which then counts as first order."""
+    if graft is not None and not block.has_factors:
+        return "first order", f"graft={graft!r} gives it Adam's step instead of the {block.rule}"
+    return block.describe(block_size), ""
+
+
+def planned_rows(blocks, block_size, graft=None):
     """The rows of an optimizer not connected to a model: the variables its blocks treat."""
     return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
-                      block.describe(block_size), "")
+                      *_rule(block, block_size, graft))
             for block in blocks for name in block.variables]
 
 
@@ -87,7 +95,9 @@ class ThorReport:
     ``str(report)`` is a table; ``rows`` holds one
     :class:`ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
-    ``schedule`` says when the statistics and the preconditioner are renewed;
+    ``graft``: the step length's source (``"adam"``: first-order variables take Adam's
+    step) or None (their plain gradient). ``schedule`` says when the statistics and the
+    preconditioner are renewed;
     ``inverse_backend`` names the inverse op in use, None where the preconditioner
     inverts nothing (the eigenbasis).
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
@@ -103,6 +113,7 @@ class ThorReport:
     trace_decisions: dict = dataclasses.field(default_factory=dict)
     awaiting_build: bool = False
     schedule: str = ""
+    graft: object = None
 
     @property
     def preconditioned(self):
@@ -115,8 +126,9 @@ class ThorReport:
         return {row.variable: row.reason for row in self.rows if row.rule == "first order"}
 
     def __str__(self):
+        first_order = "plain gradient" if self.graft is None else "Adam's step"
         header = (f"THOR: {len(self.preconditioned)} variable(s) with a THOR rule, "
-                  f"{len(self.first_order)} first order; {self.schedule}; "
+                  f"{len(self.first_order)} first order ({first_order}); {self.schedule}; "
                   f"blocks of {self.block_size or 'full size'}")
         if self.inverse_backend is not None:
             header += f"; inverse back-end: {self.inverse_backend}"

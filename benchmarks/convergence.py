@@ -97,7 +97,6 @@ import math
 import os
 import platform
 import random
-import re
 import sys
 import time
 from collections import Counter
@@ -110,7 +109,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.compare import load_digits_split, make_model, prepare  # noqa: E402
+from tf_msopt.compare import load_digits_split, make_model, muon, prepare  # noqa: E402
 from timing import balanced_orders, machine  # noqa: E402
 from targets import reaches  # noqa: E402
 
@@ -552,19 +551,6 @@ def grids(task, frequency):
                     lambda seed, lr=lr: lambda model: muon(model, learning_rate=lr))
                    for lr in FIRST_ORDER_RATES["Muon"][task]]
     return out
-
-
-def output_layer_pattern(model):
-    """Muon's ``exclude_layers`` entry for ``model``'s output layer: the entries are regular
-    expressions searched in variable paths ("sequential/dense_2/kernel"), so the layer's name
-    is matched as one whole path component ("dense_2" alone would match "dense_20" too)."""
-    return f"(^|/){re.escape(model.layers[-1].name)}/"
-
-
-def muon(model, **kwargs):
-    """Keras' Muon with ``model``'s output layer left to its AdamW step, as Muon's docs ask
-    (its default also leaves embeddings and every variable that is not 2-D to AdamW)."""
-    return keras.optimizers.Muon(exclude_layers=[output_layer_pattern(model)], **kwargs)
 
 
 def keras_default_learning_rate(optimizer_class):

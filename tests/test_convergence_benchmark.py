@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import tf_msopt as mso
+from tf_msopt import compare
 from helpers import REPO_ROOT, benchmark_module
 
 convergence = benchmark_module("convergence")
@@ -434,7 +435,7 @@ def test_defaults_block_is_each_optimizer_at_its_documented_default(default_thor
     assert _config(made["SGD-momentum"]) == _config(keras.optimizers.SGD(momentum=0.9))
     assert made["SGD-momentum"].get_config()["learning_rate"] == pytest.approx(0.01)
     assert type(made["Muon"]) is keras.optimizers.Muon
-    assert made["Muon"].exclude_layers == [convergence.output_layer_pattern(model)]
+    assert made["Muon"].exclude_layers == [compare.output_layer_pattern(model)]
     assert _config(made["Muon"], "exclude_layers") == _config(keras.optimizers.Muon(),
                                                               "exclude_layers")
     assert _config(made["Adam-THOR-rate"], "learning_rate") == _config(

@@ -1,4 +1,5 @@
-"""Side-by-side training of the package's optimizers against Keras SGD-momentum and Adam.
+"""Side-by-side training of the package's optimizers against Keras' SGD-momentum, Adam and
+Muon.
 
 Trains the same model from the same initial weights with each optimizer, shows
 Keras progress bars, prints a table (final loss, accuracy, time, and the epoch
@@ -16,6 +17,7 @@ of the training data is held out).
 import argparse
 import json
 import os
+import re
 import time
 
 import keras
@@ -69,10 +71,23 @@ def make_model(kind, input_shape, classes):
                              keras.layers.Dense(classes, activation="softmax")])
 
 
-def optimizer_factories(steps_per_epoch, kind="mlp"):
-    """Name -> factory(model): THOR at its default (``tf_msopt.thor(model)``), the others at
-    learning rates chosen per optimizer family on digits. ``steps_per_epoch`` and ``kind``
-    are accepted for callers that pass them; no factory depends on them."""
+def output_layer_pattern(model):
+    """Muon's ``exclude_layers`` entry for ``model``'s output layer: the entries are regular
+    expressions searched in variable paths ("sequential/dense_2/kernel"), so the layer's name
+    is matched as one whole path component ("dense_2" alone would match "dense_20" too)."""
+    return f"(^|/){re.escape(model.layers[-1].name)}/"
+
+
+def muon(model, **kwargs):
+    """Keras' Muon with ``model``'s output layer left to its AdamW step, as Muon's docs ask
+    (its default also leaves embeddings and every variable that is not 2-D to AdamW)."""
+    return keras.optimizers.Muon(exclude_layers=[output_layer_pattern(model)], **kwargs)
+
+
+def optimizer_factories():
+    """Name -> factory(model): THOR, Adam and Muon at their defaults (``tf_msopt.thor(model)``,
+    ``keras.optimizers.Adam()``, :func:`muon`), the others at learning rates chosen per
+    optimizer family on digits."""
     import tf_msopt as mso
 
     return {
@@ -83,7 +98,8 @@ def optimizer_factories(steps_per_epoch, kind="mlp"):
         "AddSign": lambda model: mso.AddSign(learning_rate=0.1),
         "PowerSign": lambda model: mso.PowerSign(learning_rate=0.1, logbase=1.0),
         "SGD-momentum": lambda model: keras.optimizers.SGD(learning_rate=0.05, momentum=0.9),
-        "Adam": lambda model: keras.optimizers.Adam(learning_rate=1e-3),
+        "Adam": lambda model: keras.optimizers.Adam(),
+        "Muon": muon,
     }
 
 
@@ -142,8 +158,8 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
     ``epochs_to_target`` / ``seconds_to_target`` (None when never reached).
     """
     split = load_npz_split(data, seed) if data else load_digits_split(seed)
-    steps_per_epoch = -(-len(split[0]) // batch_size)
-    names = list(optimizer_factories(steps_per_epoch))
+    factories = optimizer_factories()
+    names = list(factories)
     unknown = set(optimizers or ()) - set(names)
     if unknown:
         raise ValueError(f"unknown optimizers {sorted(unknown)}; choose from {names}")
@@ -155,7 +171,6 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
         classes = int(max(split[2].max(), split[3].max())) + 1
         initial = make_model(kind, data_for_model[0].shape[1:], classes).get_weights()
         results[kind] = {}
-        factories = optimizer_factories(steps_per_epoch, kind)
         for name in chosen:
             print(f"\n== {kind}: {name}")
             r = train_one(kind, factories[name], data_for_model, initial, epochs, batch_size, seed,

@@ -155,7 +155,7 @@ def thor_flops(optimizer):
         block, rows = layer.block, float(buffer.rows.numpy())
         sides = zip((block.a_layout(options.block_size), block.g_layout(options.block_size)),
                     (block.g_dim, block.a_dim), preconditioner.statistics_shapes(block),
-                    preconditioner.rotated_sides(block))
+                    preconditioner.preconditioned_sides(block))
         for layout, other, shape, rotated in sides:
             dim, size = layout.dim, layout.size
             if len(shape) == 3:    # a diagonal A, or a factor left unestimated, costs ~0

@@ -113,6 +113,33 @@ def test_report_of_the_default_says_which_variables_take_adams_step():
     assert {f"model/{row.variable}": row.rule for row in unconnected.rows} == rules
 
 
+KERNELS = ("emb/embeddings", "wide/kernel", "up/kernel", "head/kernel")
+
+
+@pytest.mark.parametrize("kwargs, unused", [
+    ({}, {"emb/embeddings": "A"}),                    # a diagonal A has no eigenbasis
+    (dict(max_rotated_dim=8),                         # the wider factor, if wider than 8
+     {"emb/embeddings": "A", "wide/kernel": "A", "up/kernel": "G", "head/kernel": "A"}),
+    (dict(precondition_inputs=False), dict.fromkeys(KERNELS, "A")),
+    (dict(preconditioner="inverse", damping=0.03), {}),  # diag(a_inv) scales the rows
+    (dict(preconditioner="inverse", damping=0.03, precondition_inputs=False),
+     dict.fromkeys(KERNELS, "A")),
+])
+def test_report_names_the_factors_a_kernel_leaves_unused(kwargs, unused):
+    model = keras.Sequential([
+        keras.Input((3,), dtype="int32"), keras.layers.Embedding(12, 4, name="emb"),
+        keras.layers.Flatten(), keras.layers.Dense(5, name="wide"),      # A 12, G 5
+        keras.layers.Dense(20, name="up"), keras.layers.Dense(2, name="head")], name="model")
+    rules = {row.variable.removeprefix("model/"): row.rule
+             for row in mso.thor(model, **kwargs).report().rows if row.rule != "first order"}
+    assert set(rules) == set(KERNELS)
+    notes = {"A": "; A unused: preconditioned on the output side",
+             "G": "; G unused: preconditioned on the input side"}
+    for variable, rule in rules.items():
+        assert [side for side, note in notes.items() if rule.endswith(note)] == (
+            [unused[variable]] if variable in unused else []), (variable, rule)
+
+
 @pytest.mark.parametrize("kwargs, schedule, inverts", [
     ({}, "statistics every step into moving averages (decay 0.95), eigenvectors every 10 "
          "steps, each basis kept while it still holds", False),

@@ -10,7 +10,8 @@ import weakref
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.capture import connect_when_built, watch_compile
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
-from tf_msopt.thor.report import ThorReport, describe_schedule, planned_rows, survey
+from tf_msopt.thor.report import (ThorReport, block_rules, describe_schedule, planned_rows,
+                                  survey)
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 __all__ = ["ModelLink", "wrapped_optimizers"]
@@ -56,7 +57,7 @@ class ModelLink:
             return self
         self._unbuilt_model = None
         options = self.options
-        blocks, layers, rows = survey(model, options.block_size, options.graft)
+        blocks, layers, rows = survey(model, self._block_rules())
         self._blocks = matching_blocks(self._blocks, blocks, self.built)
         self._connection = ModelConnection(
             model, blocks, layers, rows, block_size=options.block_size,
@@ -132,13 +133,17 @@ class ModelLink:
 
         options = self.options
         rows = (self._connection.rows if self._connection is not None
-                else planned_rows(self._blocks or (), options.block_size, options.graft))
+                else planned_rows(self._blocks or (), self._block_rules()))
         decisions = self._estimator.trace_decisions() if self.built else {}
         backend = inverse_backend() if options.preconditioner == "inverse" else None
         return ThorReport(tuple(rows), options.frequency, options.block_size, backend,
                           self._connection is not None, decisions,
                           awaiting_build=self._unbuilt_model is not None,
                           schedule=describe_schedule(options), graft=options.graft)
+
+    def _block_rules(self):
+        return block_rules(self.options.block_size, self.options.graft,
+                           self.preconditioner.preconditioned_sides)
 
     def savedmodel_only_children(self):
         # A training step traced in a SavedModel captures the capture buffers, so the

@@ -61,6 +61,11 @@ class InversePreconditioner:
         """The shapes of ``block``'s ``(A, G)`` statistics: both factors are inverted."""
         return block.factor_shapes(self.block_size)
 
+    def preconditioned_sides(self, block):
+        """``(A, G)``: whether ``block``'s kernel is preconditioned on its input and its
+        output side."""
+        return self.precondition_inputs, True
+
     def build(self, layer, add_variable):
         """Creates ``layer``'s inverses with ``add_variable(shape, initializer, name)``."""
         a_shape, g_shape = layer.block.factor_shapes(self.block_size)
@@ -133,7 +138,7 @@ class EigenbasisPreconditioner:
                    options.eigenbasis_exponent, options.eigenbasis_tolerance,
                    options.max_rotated_dim, options.statistics_decay)
 
-    def rotated_sides(self, block):
+    def preconditioned_sides(self, block):
         """``(A, G)``: whether ``block``'s kernel is rotated on its input and its output side.
         A diagonal ``A`` (or, without ``precondition_inputs``, any ``A``) is not; with
         ``max_rotated_dim``, neither is a factor wider than that and than the other factor
@@ -166,7 +171,7 @@ class EigenbasisPreconditioner:
     def build(self, layer, add_variable):
         block, name = layer.block, layer.block.name
         a_shape, g_shape = block.factor_shapes(self.block_size)
-        rotate_a, rotate_g = self.rotated_sides(block)
+        rotate_a, rotate_g = self.preconditioned_sides(block)
         if rotate_g:
             layer.g_eigenvectors = add_variable(g_shape, _identity_blocks,
                                                 f"{name}_g_eigenvectors")

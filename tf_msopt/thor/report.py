@@ -11,7 +11,8 @@ import dataclasses
 from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.curvature_blocks import blocks_for
 
-__all__ = ["ReportRow", "ThorReport", "describe_schedule", "planned_rows", "survey"]
+__all__ = ["ReportRow", "ThorReport", "block_rules", "describe_schedule", "planned_rows",
+           "survey"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,9 +26,9 @@ class ReportRow:
     reason: str
 
 
-def survey(model, block_size, graft=None):
+def survey(model, rule_of):
     """Gives every trainable variable of ``model`` (built: its layers' shapes are known) a
-    rule (with ``graft``, Adam's step in place of a rule without factors).
+    rule: ``rule_of(block)`` (:func:`block_rules`) for the variables a block treats.
 
     Returns:
         ``(blocks, layers, rows)``: the curvature block of each layer THOR treats,
@@ -48,8 +49,7 @@ def survey(model, block_size, graft=None):
         for block in found:
             blocks.append(block)
             layers.append(layer)
-            rules.update({id(v): _rule(block, block_size, graft)
-                          for v in block.treated_variables(layer)})
+            rules.update({id(v): rule_of(block) for v in block.treated_variables(layer)})
         for variable in variables:
             if id(variable) in rules:
                 rows.append(ReportRow(layer.name, layer_type, variable.path,
@@ -73,18 +73,30 @@ def describe_schedule(options):
             f"{refreshed} every {options.frequency} steps{kept}")
 
 
-def _rule(block, block_size, graft):
-    """``(rule, reason)`` of the variables ``block`` treats: a graft gives Adam's step to a
-    block without factors (the LayerNorm rule), which then counts as first order."""
-    if graft is not None and not block.has_factors:
-        return "first order", f"graft={graft!r} gives it Adam's step instead of the {block.rule}"
-    return block.describe(block_size), ""
+def block_rules(block_size, graft, preconditioned_sides):
+    """``rule_of(block)``: the ``(rule, reason)`` of the variables ``block`` treats, as THOR
+    runs them. A graft gives Adam's step to a block without factors (the LayerNorm rule),
+    which then counts as first order; a factor the preconditioner leaves unused
+    (``preconditioned_sides(block)``: whether the kernel's input and output sides are
+    preconditioned) is named."""
+    unused = {(True, True): None, (False, True): "A unused: preconditioned on the output side",
+              (True, False): "G unused: preconditioned on the input side",
+              (False, False): "A and G unused: preconditioned on neither side"}
+
+    def rule_of(block):
+        if not block.has_factors:
+            if graft is not None:
+                return "first order", (f"graft={graft!r} gives it Adam's step instead of the "
+                                       f"{block.rule}")
+            return block.describe(block_size), ""
+        note = unused[tuple(preconditioned_sides(block))]
+        return "; ".join(filter(None, [block.describe(block_size), note])), ""
+    return rule_of
 
 
-def planned_rows(blocks, block_size, graft=None):
+def planned_rows(blocks, rule_of):
     """The rows of an optimizer not connected to a model: the variables its blocks treat."""
-    return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}",
-                      *_rule(block, block_size, graft))
+    return [ReportRow(block.layer, block.kind, f"{block.layer}/{name}", *rule_of(block))
             for block in blocks for name in block.variables]
 
 

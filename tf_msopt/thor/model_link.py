@@ -112,8 +112,8 @@ class ModelLink:
         if self._connection is None:
             raise RuntimeError(
                 "This THOR optimizer is not connected to a model, so it has no curvature "
-                "statistics and would silently act as momentum SGD. Create it with "
-                "tf_msopt.thor(model, ...), or after keras.models.load_model call "
+                "statistics and would silently train as a first-order optimizer. Create it "
+                "with tf_msopt.thor(model, ...), or after keras.models.load_model call "
                 "tf_msopt.thor.connect(model).")
         return self._connection.model()
 

@@ -4,7 +4,9 @@
 ``MultiHeadAttention``, ``TimeDistributed`` and ``Bidirectional``) and gives
 each trainable variable a rule: a curvature block
 (:mod:`tf_msopt.thor.curvature_blocks`) or first order, with the reason, as a
-:class:`ReportRow`; :class:`ThorReport` is the readable account.
+:class:`ReportRow` (:func:`block_rules` says how the configuration runs each block);
+:class:`ThorReport` is the readable account, under a line of when THOR renews what
+(:func:`describe_schedule`).
 """
 import dataclasses
 
@@ -107,10 +109,9 @@ class ThorReport:
     ``str(report)`` is a table; ``rows`` holds one
     :class:`ReportRow` per trainable variable of the
     model (``layer``, ``layer_type``, ``variable``, ``rule``, ``reason``).
-    ``graft``: the step length's source (``"adam"``: first-order variables take Adam's
-    step) or None (their plain gradient). ``schedule`` says when the statistics and the
-    preconditioner are renewed;
-    ``inverse_backend`` names the inverse op in use, None where the preconditioner
+    ``graft``: ``"adam"`` where first-order variables take Adam's step, None where they take
+    their plain gradient. ``schedule`` says when the statistics and the preconditioner are
+    renewed; ``inverse_backend`` names the inverse op in use, None where the preconditioner
     inverts nothing (the eigenbasis).
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
     counts of inversions ``(refreshed, reused, frozen)``. ``awaiting_build``: THOR was

@@ -298,6 +298,48 @@ def test_mixed_float16_records_float32_statistics(fisher):
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
+def float64_conv_model(dtype):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([
+        keras.Input((6, 3), dtype=dtype),
+        keras.layers.Conv1D(5, 3, activation="tanh", dtype=dtype),
+        keras.layers.LayerNormalization(dtype=dtype), keras.layers.Flatten(dtype=dtype),
+        keras.layers.Dense(3, dtype=dtype)])
+
+
+@pytest.mark.parametrize("options", [{}, dict(learning_rate=0.05, damping=0.03, momentum=0.9,
+                                               frequency=2)], ids=["default", "mindspore"])
+@pytest.mark.parametrize("floatx", ["float32", "float64"])
+def test_float64_model_trains_as_its_float32_twin(options, floatx):
+    """A float64 model (its layers' dtype, or Keras' floatx) keeps float64 weights and
+    momenta, THOR's curvature stays float32, and the weights follow the float32 model's to
+    float32 precision."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 6, 3)), np.arange(48) % 3
+    initial = float64_conv_model("float32").get_weights()
+    weights = {}
+    for dtype in ("float32", "float64"):
+        keras.config.set_floatx(floatx if dtype == "float64" else "float32")
+        try:
+            model = float64_conv_model(dtype)
+            model.set_weights([w.astype(dtype) for w in initial])
+            optimizer = mso.thor(model, **options)
+            model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(
+                from_logits=True))
+            for start in range(0, 48, 8):
+                model.train_on_batch(x[start:start + 8].astype(dtype), y[start:start + 8])
+        finally:
+            keras.config.set_floatx("float32")
+        assert {w.dtype for w in model.get_weights()} == {np.dtype(dtype)}
+        assert {v.dtype for v in curvature_variables(
+            optimizer, "a_inverse", "g_inverse", "a_eigenvectors", "g_eigenvectors",
+            "rotated_second_moment", "a_average", "g_average", "count")} == {"float32"}
+        weights[dtype] = model.get_weights()
+    for single, double in zip(weights["float32"], weights["float64"]):
+        scale = max(np.max(np.abs(double)), 0.1)
+        assert np.max(np.abs(single - double)) / scale < 1e-5
+
+
 def counting_update_traces(optimizer):
     traces = []
     update_variables = optimizer.update_variables

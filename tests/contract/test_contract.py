@@ -271,11 +271,13 @@ def test_plain_tf_variables_train_like_keras_variables(case):
 
 
 @case
-@pytest.mark.half_precision
-@pytest.mark.parametrize("dtype, tolerance, eps", [("float16", 3e-2, 2.0**-10),
-                                                   ("bfloat16", 0.5, 2.0**-7)])
-def test_half_precision_variables(case, dtype, tolerance, eps):
-    """Half-precision variables train like float32 ones, up to the dtype's precision."""
+@pytest.mark.parametrize("dtype, tolerance, eps", [
+    pytest.param("float16", 3e-2, 2.0**-10, marks=pytest.mark.half_precision),
+    pytest.param("bfloat16", 0.5, 2.0**-7, marks=pytest.mark.half_precision),
+    ("float64", 1e-5, 2.0**-23)])
+def test_variables_of_another_float_dtype(case, dtype, tolerance, eps):
+    """Half- and double-precision variables train like float32 ones, up to the precision of
+    the coarser dtype."""
     reference_start = C.weights(C.mlp())
     model = C.mlp(dtype=dtype)
     model.set_weights(reference_start)   # the float32 start, rounded

@@ -38,6 +38,8 @@ def second_moment(moment, gradient, correction, assign):
     variable ``moment`` (any shape with ``gradient``'s size) with ``assign``."""
     reshaped = moment.shape != gradient.shape     # (the flat moment of a rotated gradient)
     previous = tf.reshape(moment, tf.shape(gradient)) if reshaped else moment
+    # A float64 variable's moment (its slot has the variable's dtype), updated in float32.
+    previous = tf.cast(previous, gradient.dtype)
     value = BETA2 * previous + (1.0 - BETA2) * tf.square(gradient)
     assign(moment, tf.reshape(value, moment.shape) if reshaped else value)
     return value / correction

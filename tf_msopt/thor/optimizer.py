@@ -197,7 +197,8 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
                                      accumulates=bool(self.gradient_accumulation_steps))
         self._kl_clip = None
         if self.options.kl_clip is not None:
-            self.kl_factor = self.add_variable((), initializer="ones", name="kl_factor")
+            self.kl_factor = self.add_variable((), initializer="ones", dtype="float32",
+                                               name="kl_factor")
             self._kl_clip = KLClip(self.options.kl_clip, self.assign)
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries
@@ -205,7 +206,8 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         self._graft = (AdamGraft(self.add_variable_from_reference, self.assign, var_list)
                        if self.options.graft else None)
 
-    def _add_state_variable(self, shape, initializer, name, dtype=None):
+    def _add_state_variable(self, shape, initializer, name, dtype="float32"):
+        # The curvature is computed in float32 whatever the model's dtype (``floatx``).
         return self.add_variable(shape, initializer=initializer, dtype=dtype, name=name)
 
     # --- the schedule of steps

@@ -126,6 +126,8 @@ INNERS = {
     "sgd_nesterov": lambda wd: keras.optimizers.SGD(0.5, momentum=0.9, nesterov=True,
                                                     weight_decay=wd),
     "adam": lambda wd: keras.optimizers.Adam(0.01, epsilon=1e-3, weight_decay=wd),
+    # Nadam also updates state once a step, around its per-variable update step.
+    "nadam": lambda wd: keras.optimizers.Nadam(0.01, epsilon=1e-3, weight_decay=wd),
     "add_sign": lambda wd: mso.AddSign(0.5, weight_decay=wd),
 }
 

@@ -206,6 +206,16 @@ def overwrites_with_gradient(optimizer, variable):
     return optimizer._overwrite_variable_with_gradient(variable)
 
 
+def run_once_a_step_state(optimizer, learning_rate):
+    """Runs what ``optimizer`` updates once a step around its per-variable ``update_step``
+    (Keras' Nadam: its ``u_product``, in its own ``_backend_update_step``), over no
+    variables: for a wrapper that calls that ``update_step`` itself."""
+    step = type(optimizer)._backend_update_step
+    if step not in (keras.optimizers.Optimizer._backend_update_step,
+                    Optimizer._backend_update_step):
+        step(optimizer, [], [], learning_rate)
+
+
 def merge_call(fn, strategy, *args):
     """``fn(strategy, *args)`` in cross-replica context, from replica context."""
     return tf.__internal__.distribute.interim.maybe_merge_call(fn, strategy, *args)

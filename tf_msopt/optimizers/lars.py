@@ -174,6 +174,12 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
         # The wrapped optimizer's step count drives its schedule and bias corrections.
         self.inner_optimizer.iterations.assign_add(applied if steps else 1)
 
+    def update_variables(self, grads, trainable_variables, learning_rate):
+        # LARS calls the wrapped optimizer's update_step for each variable; what that
+        # optimizer updates once a step besides (Nadam's u_product) runs first, as it would.
+        compat.run_once_a_step_state(self.inner_optimizer, learning_rate)
+        return super().update_variables(grads, trainable_variables, learning_rate)
+
     def decay_weights(self, variables):
         """No decoupled decay: LARS adds ``weight_decay * w`` to the gradient instead."""
 

@@ -197,8 +197,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
                                      accumulates=bool(self.gradient_accumulation_steps))
         self._kl_clip = None
         if self.options.kl_clip is not None:
-            self.kl_factor = self.add_variable((), initializer="ones", dtype="float32",
-                                               name="kl_factor")
+            self.kl_factor = self._add_state_variable((), "ones", "kl_factor")
             self._kl_clip = KLClip(self.options.kl_clip, self.assign)
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries

@@ -26,16 +26,17 @@ def test_compare_trains_every_optimizer_on_both_models_and_writes_the_plots(tmp_
         for name, r in runs.items():
             assert len(r["loss"]) == 2 and np.all(np.isfinite(r["loss"])), (kind, name)
             assert r["loss"][1] < r["loss"][0], (kind, name)
-            assert r["val_accuracy"][-1] > 0.3, (kind, name)  # 10 classes: chance is 0.1
-            # The target is reached at the first epoch whose accuracy is >= 0.5 (Muon's
-            # default needs more than 2 epochs on the MLP).
+            # 10 classes: chance is 0.1. Muon's default needs more than 2 epochs to pass 0.5
+            # on the MLP (0.41 after 2), every other optimizer passes it.
+            floor = 0.3 if name == "Muon" else 0.5
+            assert r["val_accuracy"][-1] > floor, (kind, name)
+            # The target is reached at the first epoch whose accuracy is >= 0.5, if any.
             first = next((i for i, a in enumerate(r["val_accuracy"]) if a >= 0.5), None)
             if first is None:
                 assert r["epochs_to_target"] is r["seconds_to_target"] is None, (kind, name)
             else:
                 assert r["epochs_to_target"] == first + 1, (kind, name)
                 assert r["seconds_to_target"] == r["seconds"][first] > 0, (kind, name)
-        assert runs["THOR"]["epochs_to_target"] is not None, kind
         assert os.path.getsize(os.path.join(tmp_path, f"{kind}_curves.png")) > 10_000
     out = capsys.readouterr().out
     assert "epochs to target" in out and "THOR" in out and "AdamOffload" in out

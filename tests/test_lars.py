@@ -204,7 +204,12 @@ def test_filter_decides_the_numbers():
     (lambda sgd: mso.LARS(sgd, lars_filter="bias"), TypeError, "the 'lars_filter' must be None"),
     (lambda sgd: mso.LARS(sgd, lars_filter=["("]), ValueError, "invalid regular expression"),
     (lambda sgd: mso.LARS(sgd, jit_compile="yes"), TypeError, "'jit_compile' should be 'bool'"),
-])
+    (lambda sgd: mso.LARS(sgd, momentum=0.9), TypeError,
+     "got an unexpected keyword argument 'momentum'"),
+] + [(lambda sgd, key=key: mso.LARS(sgd, **{key: 1.0}), ValueError,
+      f"'{key}' is the wrapped optimizer's setting: set it there")
+     for key in ("learning_rate", "weight_decay", "clipnorm", "use_ema",
+                 "gradient_accumulation_steps")])
 def test_argument_errors(make, error, text):
     with pytest.raises(error) as info:
         make(keras.optimizers.SGD(0.1))

@@ -35,6 +35,18 @@ _TAKEN_OVER = {"weight_decay": None, "loss_scale_factor": None, "clipnorm": None
 _KEPT_IN_INNER = ("ema_momentum",)
 
 
+def _check_wrapper_arguments(kwargs, owner):
+    """Refuses the wrapped optimizer's settings given to LARS, as Keras' LossScaleOptimizer
+    does: LARS reads them from the wrapped optimizer."""
+    for key in kwargs:
+        if key in _TAKEN_OVER or key == "learning_rate":
+            raise ValueError(
+                f"For '{owner}', '{key}' is the wrapped optimizer's setting: set it there "
+                f"(e.g. keras.optimizers.SGD(..., {key}=...)), and LARS takes it over."
+            )
+        raise TypeError(f"For '{owner}', got an unexpected keyword argument '{key}'.")
+
+
 def _check_optimizer(optimizer, owner):
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise TypeError(
@@ -81,7 +93,9 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
     of the weights, and one update (of the averaged gradient) every
     ``gradient_accumulation_steps`` calls. Its ``learning_rate`` and ``iterations`` are the wrapped
     optimizer's, so schedules and callbacks such as ``ReduceLROnPlateau`` work
-    unchanged.
+    unchanged. Given to LARS itself, any of these settings raises a ``ValueError``
+    that says to set it on the wrapped optimizer (as Keras' ``LossScaleOptimizer``
+    does).
 
     The norms are taken in the update step, on the gradient that
     ``tf.distribute`` has already summed over replicas: two replicas give the
@@ -113,8 +127,9 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
     default_jit_compile = False
 
     def __init__(self, optimizer, epsilon=1e-05, coefficient=0.001, use_clip=False,
-                 lars_filter=None, name=None, jit_compile=None):
+                 lars_filter=None, name=None, jit_compile=None, **kwargs):
         owner = type(self).__name__
+        _check_wrapper_arguments(kwargs, owner)
         _check_optimizer(optimizer, owner)
         epsilon = check_float(epsilon, "epsilon", owner, allow_int=False)
         coefficient = check_float(coefficient, "coefficient", owner, allow_int=False)

@@ -28,6 +28,7 @@ def small_model():
     (dict(weight_decay="0"), TypeError, "weight_decay"),
     (dict(momentum=1), TypeError, "momentum"),            # an int is rejected, as in MindSpore
     (dict(momentum=-0.1), ValueError, "momentum"),
+    (dict(momentum=1.0, graft="adam"), ValueError, "with graft='adam' the 'momentum' must be"),
     (dict(frequency=2.0), TypeError, "frequency"),
     (dict(frequency=1), ValueError, "frequency"),
     (dict(learning_rate="0.1"), TypeError, "learning_rate"),
@@ -259,6 +260,17 @@ def test_a_model_built_in_a_custom_loop_must_be_connected():
     optimizer.connect(model)
     optimizer.apply_gradients(zip(gradients, model.trainable_variables))
     assert int(optimizer.iterations.numpy()) == 1
+
+
+@pytest.mark.parametrize("make", [
+    lambda model: mso.thor(1e-3, model),                 # the arguments in the wrong order
+    lambda model: mso.thor(model.layers[0]),             # a layer
+    lambda model: mso.thor(model.inputs[0]),             # a symbolic tensor
+    lambda model: mso.thor(model).connect(model.layers[0]),
+])
+def test_anything_but_a_keras_model_is_refused(make):
+    with pytest.raises(TypeError, match="For 'THOR', the 'model' must be a keras.Model"):
+        make(small_model())
 
 
 def test_connect_refuses_another_model():

@@ -15,7 +15,7 @@ replaces its entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momen
 """
 from tf_msopt._validation import check_choice, type_name
 from tf_msopt.thor.experimental import split_experimental
-from tf_msopt.thor.model_link import wrapped_optimizers
+from tf_msopt.thor.model_link import check_model, wrapped_optimizers
 from tf_msopt.thor.optimizer import THOR
 
 __all__ = ["DEFAULTS", "connect", "thor"]
@@ -56,6 +56,7 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     result to ``model.compile``. Arguments: as :class:`THOR` (MindSpore's
     ``nn.thor`` names and defaults, plus ``block_size``).
     """
+    check_model(model)
     given = {"learning_rate": learning_rate, "damping": damping, "momentum": momentum}
     missing = [name for name, value in given.items() if value is None]
     if preset is None:

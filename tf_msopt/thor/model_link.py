@@ -7,14 +7,25 @@ by patches on the layers (:class:`~tf_msopt.thor.connection.ModelConnection`).
 import contextlib
 import weakref
 
+import keras
+
 from tf_msopt import _keras_compat as compat
+from tf_msopt._validation import type_name
 from tf_msopt.thor.capture import connect_when_built, watch_compile
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
 from tf_msopt.thor.report import (ThorReport, block_rules, describe_schedule, planned_rows,
                                   survey)
 from tf_msopt.thor.sampled_fisher import output_distribution
 
-__all__ = ["ModelLink", "wrapped_optimizers"]
+__all__ = ["ModelLink", "check_model", "wrapped_optimizers"]
+
+
+def check_model(model):
+    """Refuses anything but a Keras model (a layer, a tensor, arguments in the wrong order)."""
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"For 'THOR', the 'model' must be a keras.Model (the first argument: "
+            f"tf_msopt.thor(model, ...)), but got type '{type_name(model)}'.")
 
 
 def wrapped_optimizers(optimizer):
@@ -49,6 +60,7 @@ class ModelLink:
         then cost what they cost without THOR), and with another THOR connects that one;
         compiling it with this one again resumes it. Returns this optimizer.
         """
+        check_model(model)
         self._in_use = True
         watch_compile(model, self._compiled_with)
         if not model.built:

@@ -156,6 +156,12 @@ class ThorOptions:
                 "statistics_decay", _OWNER, low=0.0, high=1.0, high_inclusive=False))
         check_choice(self.fisher, "fisher", _OWNER, _FISHERS)
         check_choice(self.graft, "graft", _OWNER, _GRAFTS)
+        if self.graft is not None and self.momentum >= 1.0:
+            raise ValueError(
+                f"For '{_OWNER}', with graft={self.graft!r} the 'momentum' must be below 1: it "
+                f"averages the steps as Adam's beta_1 does, v = m*v + (1 - m)*d: at 1 no step "
+                f"moves anything and above 1 the steps grow without bound; but got "
+                f"{self.momentum}.")
         check_choice(self.preconditioner, "preconditioner", _OWNER, tuple(PRECONDITIONERS))
         normalise("eigenbasis_exponent", _check_exponent(self.eigenbasis_exponent))
         if self.eigenbasis_tolerance is not None:

@@ -50,6 +50,7 @@ def test_keras_schedules_and_callables_pass_through():
     (True, TypeError), ("0.1", TypeError), (None, TypeError), (object(), TypeError),
     (np.array(["a"]), TypeError), (-1.0, ValueError), (float("nan"), ValueError),
     (np.ones((2, 2)), ValueError), ([0.1, float("inf")], ValueError), ([[0.1]], TypeError),
+    (keras.layers.Dense(2), TypeError),     # callable, but a layer (mso.AddSign(model))
 ])
 def test_bad_learning_rates(value, error):
     with pytest.raises(error, match="For 'Test', .*'learning_rate'"):

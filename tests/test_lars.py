@@ -194,6 +194,8 @@ def test_filter_decides_the_numbers():
     (lambda sgd: mso.LARS(keras.optimizers.LossScaleOptimizer(sgd)), TypeError,
      "must be an optimizer with its own update step"),
     (lambda sgd: mso.LARS(mso.LARS(sgd)), TypeError, "must be an optimizer with its own"),
+    (lambda sgd: mso.LARS(mso.thor(keras.Sequential([keras.Input((2,)), keras.layers.Dense(2)]))),
+     TypeError, "must update each variable on its own, but 'THOR' computes its step"),
     (lambda sgd: mso.LARS(sgd, epsilon=1), TypeError,
      "the type of 'epsilon' should be 'float', but got type 'int'"),
     (lambda sgd: mso.LARS(sgd, coefficient=1), TypeError,

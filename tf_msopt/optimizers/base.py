@@ -65,7 +65,8 @@ def resolve_learning_rate(value, owner, arg="learning_rate"):
     """
     if isinstance(value, Schedule):
         return value
-    if isinstance(value, bool) or isinstance(value, (str, bytes)):
+    # A layer or model is callable, but never a learning rate (mso.AddSign(model)).
+    if isinstance(value, (bool, str, bytes, keras.layers.Layer)):
         raise _learning_rate_type_error(value, arg, owner)
     if isinstance(value, numbers.Real):
         _check_non_negative_values(np.asarray(float(value)), arg, owner)

@@ -60,6 +60,14 @@ def _check_optimizer(optimizer, owner):
             f"(SGD, Adam, AddSign, ...), but got '{type_name(optimizer)}'. To combine LARS "
             f"with loss scaling, wrap it: LossScaleOptimizer(LARS(...))."
         )
+    if (isinstance(optimizer, compat.Optimizer)
+            and type(optimizer).update_variables is not compat.Optimizer.update_variables):
+        raise TypeError(
+            f"For '{owner}', the 'optimizer' must update each variable on its own, but "
+            f"'{type_name(optimizer)}' computes its step from all of them together (THOR: its "
+            f"curvature refresh and KL clip), which LARS, calling the per-variable step, "
+            f"would skip. Use it without LARS."
+        )
     return optimizer
 
 

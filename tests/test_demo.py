@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tf_msopt import __main__ as cli
-from tf_msopt.compare import compare
+from tf_msopt.compare import compare, main as compare_main
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,6 +64,21 @@ def test_compare_on_a_user_npz_without_validation_arrays(tmp_path):
 def test_compare_rejects_an_unknown_optimizer():
     with pytest.raises(ValueError, match="unknown optimizers \\['Nope'\\]"):
         compare(optimizers=["Nope"], output_dir=None)
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--batch-size", "-8"], "argument --batch-size: must be at least 1, got -8"),
+    (["--target-accuracy", "95"], "argument --target-accuracy: must be in (0, 1], got 95.0"),
+    (["--optimizers", "THOR,Nope"], "argument --optimizers: unknown ['Nope'] in 'THOR,Nope'"),
+    (["--models", "rnn"], "argument --models: unknown ['rnn'] in 'rnn'; choose from"),
+    (["--data", "missing.npz"], "argument --data: no such file: missing.npz"),
+])
+def test_cli_rejects_bad_arguments_before_training(arguments, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        compare_main(arguments)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_console_script_is_installed_and_runs(tmp_path):

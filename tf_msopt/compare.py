@@ -234,18 +234,58 @@ def _names(text):
     return [name.strip() for name in text.split(",") if name.strip()]
 
 
+def _names_from(allowed):
+    """An argparse type: comma-separated names, each one of ``allowed``."""
+    def names(text):
+        chosen = _names(text)
+        unknown = [name for name in chosen if name not in allowed]
+        if unknown or not chosen:
+            raise argparse.ArgumentTypeError(
+                f"unknown {unknown} in {text!r}; choose from {list(allowed)}" if unknown
+                else "no names given")
+        return chosen
+    return names
+
+
+def _positive_int(text):
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _accuracy(text):
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _npz_file(path):
+    if not os.path.isfile(path):
+        raise argparse.ArgumentTypeError(f"no such file: {path}")
+    return path
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="tf-msopt compare", description=__doc__.splitlines()[0])
-    parser.add_argument("--models", type=_names, default=list(MODELS),
-                        help="comma-separated, from: mlp, cnn (default: both)")
-    parser.add_argument("--optimizers", type=_names, default=None,
-                        help="comma-separated subset (default: all)")
-    parser.add_argument("--epochs", type=int, default=15)
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--target-accuracy", type=float, default=0.95)
-    parser.add_argument("--data", default=None, help=".npz with x_train, y_train[, x_val, y_val]")
-    parser.add_argument("--output-dir", default="demo_output")
-    parser.add_argument("--seed", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="tf-msopt compare", description=__doc__.split("\n\n")[0].replace("\n", " "))
+    parser.add_argument("--models", type=_names_from(MODELS), default=list(MODELS),
+                        help=f"comma-separated, from: {', '.join(MODELS)} (default: all)")
+    names = list(optimizer_factories())
+    parser.add_argument("--optimizers", type=_names_from(names), default=None,
+                        help=f"comma-separated, from: {', '.join(names)} (default: all)")
+    parser.add_argument("--epochs", type=_positive_int, default=15, help="(default: 15)")
+    parser.add_argument("--batch-size", type=_positive_int, default=64, help="(default: 64)")
+    parser.add_argument("--target-accuracy", type=_accuracy, default=0.95,
+                        help="the validation accuracy whose first epoch and time the table "
+                             "gives (default: 0.95)")
+    parser.add_argument("--data", type=_npz_file, default=None,
+                        help=".npz with x_train, y_train[, x_val, y_val] (default: "
+                             "scikit-learn's digits)")
+    parser.add_argument("--output-dir", default="demo_output",
+                        help="where the plots and results.json go (default: demo_output)")
+    parser.add_argument("--seed", type=int, default=0, help="(default: 0)")
     args = parser.parse_args(argv)
     compare(args.models, args.optimizers, args.epochs, args.batch_size, args.target_accuracy,
             args.data, args.output_dir, args.seed)

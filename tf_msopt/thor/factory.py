@@ -56,7 +56,7 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     result to ``model.compile``. Arguments: as :class:`THOR` (MindSpore's
     ``nn.thor`` names and defaults, plus ``block_size``).
     """
-    check_model(model)
+    check_model(model)   # before the options: thor(1e-3, model) would fail on the rate
     given = {"learning_rate": learning_rate, "damping": damping, "momentum": momentum}
     missing = [name for name, value in given.items() if value is None]
     if preset is None:

@@ -4,6 +4,7 @@ import dataclasses
 import inspect
 import os
 import re
+import warnings
 
 import keras
 import numpy as np
@@ -271,6 +272,20 @@ def test_a_model_built_in_a_custom_loop_must_be_connected():
 def test_anything_but_a_keras_model_is_refused(make):
     with pytest.raises(TypeError, match="For 'THOR', the 'model' must be a keras.Model"):
         make(small_model())
+
+
+def test_warns_where_nothing_is_preconditioned():
+    """A model with nothing THOR has a rule for trains first order: THOR says so when it
+    connects, and stays silent where it preconditions something."""
+    normalized = keras.Sequential([keras.Input((4,)), keras.layers.LayerNormalization()])
+    with pytest.warns(UserWarning, match="THOR has no rule for any trainable variable"):
+        optimizer = mso.thor(normalized)
+    assert optimizer.report().preconditioned == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mso.thor(small_model())
+        # MindSpore's form gives LayerNorm its own rule.
+        assert len(mso.thor(normalized, 0.1, 0.03, 0.9).report().preconditioned) == 2
 
 
 def test_connect_refuses_another_model():

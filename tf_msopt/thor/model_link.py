@@ -5,6 +5,7 @@ by patches on the layers (:class:`~tf_msopt.thor.connection.ModelConnection`).
 :class:`ModelLink` is the part of THOR that makes, holds and reports that connection.
 """
 import contextlib
+import warnings
 import weakref
 
 import keras
@@ -18,6 +19,11 @@ from tf_msopt.thor.report import (ThorReport, block_rules, describe_schedule, pl
 from tf_msopt.thor.sampled_fisher import output_distribution
 
 __all__ = ["ModelLink", "check_model", "wrapped_optimizers"]
+
+NOTHING_PRECONDITIONED = (
+    "THOR has no rule for any trainable variable of '{model}' (it factors the kernels of "
+    "Dense, EinsumDense, convolution, Embedding, SimpleRNN, GRU and LSTM layers), so every "
+    "variable trains first order, with no curvature; optimizer.report() says why for each.")
 
 
 def check_model(model):
@@ -82,6 +88,8 @@ class ModelLink:
             sampled_seed=options.seed if options.fisher == "sampled" else None,
             step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution,
             steps_per_update=self.gradient_accumulation_steps or 1)
+        if all(row.rule == "first order" for row in rows):
+            warnings.warn(NOTHING_PRECONDITIONED.format(model=model.name), stacklevel=3)
         return self
 
     def _compiled_with(self, model, optimizer):

@@ -288,6 +288,17 @@ def test_warns_where_nothing_is_preconditioned():
         assert len(mso.thor(normalized, 0.1, 0.03, 0.9).report().preconditioned) == 2
 
 
+def test_training_another_model_is_refused():
+    """THOR compiled with a copy of the model it is connected to would update the copy's
+    variables with no curvature: its first step says so instead."""
+    model = small_model()
+    optimizer = mso.thor(model)
+    copy = keras.models.clone_model(model)
+    copy.compile(optimizer, "mse")
+    with pytest.raises(RuntimeError, match="none of the variables it updates belongs to"):
+        copy.fit(np.ones((8, 4)), np.ones((8, 2)), epochs=1, verbose=0)
+
+
 def test_connect_refuses_another_model():
     optimizer = mso.thor(small_model(), 0.1, 0.03, 0.9)
     other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(5, name="fc"),

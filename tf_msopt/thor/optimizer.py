@@ -232,6 +232,15 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
         """One :class:`VariableUpdate` per trainable variable. Treated layers' variables are
         matched by object: paths change when a model is loaded."""
         variables = compat.trainable_variables(self)
+        model = self._connection.model()
+        if model is not None and all(compat.tracked_index(self, v) is None
+                                     for v in model.variables):
+            raise RuntimeError(
+                f"For 'THOR', none of the variables it updates belongs to the model "
+                f"'{model.name}' it is connected to, so it would train them with no "
+                f"curvature: it was compiled with, or applied to, another model (a "
+                f"keras.models.clone_model copy is another model). Create it for the model "
+                f"it trains: tf_msopt.thor(model).")
         blocks = self._connection.variable_blocks(
             self._blocks, len(variables), lambda variable: compat.tracked_index(self, variable))
         projections = self._connection.position_projections(self._blocks)

@@ -226,6 +226,21 @@ def test_mirrored_strategy_equals_one_device(case, two_cpu_strategy):
 
 
 @case
+def test_created_outside_the_strategy_scope_is_refused_clearly(case, two_cpu_strategy):
+    """Created outside the scope the model is trained under, the optimizer says to create it
+    inside (TensorFlow's own error names two strategy objects)."""
+    with two_cpu_strategy.scope():
+        model = C.mlp()
+    optimizer = C.make(case, model)
+    with two_cpu_strategy.scope():
+        model.compile(optimizer=optimizer, loss="mse")
+    x, y = C.data(16)
+    with pytest.raises(RuntimeError, match=r"created under one distribution strategy \(none\) "
+                                           r"and is built under another \(MirroredStrategy\)"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0)
+
+
+@case
 def test_jit_compile_on_equals_off(case):
     if "adam_offload" in case:
         # Host state cannot live in an XLA step: both switches say so.

@@ -196,6 +196,12 @@ class AcceptsEmptyGradients:
         return super().apply_gradients(grads_and_vars)
 
 
+def _strategy_name(strategy):
+    """The strategy's class name; "none" for TensorFlow's default (outside any scope)."""
+    name = type(strategy).__name__
+    return "none" if name.startswith("_") else name
+
+
 class BuildsOnceEveryReplicaIsReady:
     """Mixin: first applied from ``strategy.run`` with several replicas, the optimizer
     builds in the cross-replica merge, once every replica has reached its first
@@ -313,6 +319,21 @@ class MindSporeOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
             return True
         path = variable_path(variable)
         return any(re.search(p, path) for p in self._decay_exclusion_patterns)
+
+    def build(self, var_list):
+        self.check_strategy()
+        super().build(var_list)
+
+    def check_strategy(self):
+        """Refuses to build under another strategy than the one the optimizer was created
+        under: TensorFlow's own error names two strategy objects, not the fix."""
+        created, current = compat.distribution_strategy(self), tf.distribute.get_strategy()
+        if current is not created:
+            raise RuntimeError(
+                f"For '{type(self).__name__}', the optimizer was created under one "
+                f"distribution strategy ({_strategy_name(created)}) and is built under "
+                f"another ({_strategy_name(current)}): create it inside the same `with "
+                f"strategy.scope():` as the model (tf_msopt.thor(model) included).")
 
     def update_step(self, gradient, variable, learning_rate):
         if self.jit_compile and not in_xla_context():

@@ -321,10 +321,10 @@ class MindSporeOptimizer(BuildsOnceEveryReplicaIsReady, AcceptsEmptyGradients,
         return any(re.search(p, path) for p in self._decay_exclusion_patterns)
 
     def build(self, var_list):
-        self.check_strategy()
+        self._check_strategy()
         super().build(var_list)
 
-    def check_strategy(self):
+    def _check_strategy(self):
         """Refuses to build under another strategy than the one the optimizer was created
         under: TensorFlow's own error names two strategy objects, not the fix."""
         created, current = compat.distribution_strategy(self), tf.distribute.get_strategy()

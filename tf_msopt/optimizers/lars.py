@@ -177,7 +177,7 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
     def build(self, var_list):
         if self.built:
             return
-        self.check_strategy()   # before the wrapped optimizer's build meets the mismatch
+        self._check_strategy()   # before the wrapped optimizer's build meets the mismatch
         self.inner_optimizer.build(var_list)
         super().build(var_list)
         # Filters see keras.Variable paths, which update_step cannot: decide here.

@@ -88,7 +88,7 @@ class ModelLink:
             sampled_seed=options.seed if options.fisher == "sampled" else None,
             step=compat.own_iterations(self), fisher_distribution=self._fisher_distribution,
             steps_per_update=self.gradient_accumulation_steps or 1)
-        if all(row.rule == "first order" for row in rows):
+        if all(row.first_order for row in rows):
             warnings.warn(NOTHING_PRECONDITIONED.format(model=model.name), stacklevel=3)
         return self
 

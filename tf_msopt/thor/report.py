@@ -17,6 +17,10 @@ __all__ = ["ReportRow", "ThorReport", "block_rules", "describe_schedule", "plann
            "survey"]
 
 
+#: The rule of a variable THOR has no rule for.
+FIRST_ORDER = "first order"
+
+
 @dataclasses.dataclass(frozen=True)
 class ReportRow:
     """What THOR does with one trainable variable, and why."""
@@ -26,6 +30,11 @@ class ReportRow:
     variable: str
     rule: str
     reason: str
+
+    @property
+    def first_order(self):
+        """Whether THOR has no rule for the variable."""
+        return self.rule == FIRST_ORDER
 
 
 def survey(model, rule_of):
@@ -58,7 +67,7 @@ def survey(model, rule_of):
                                       *rules[id(variable)]))
             else:
                 why = reason or f"THOR preconditions the {layer_type} kernel only"
-                rows.append(ReportRow(layer.name, layer_type, variable.path, "first order", why))
+                rows.append(ReportRow(layer.name, layer_type, variable.path, FIRST_ORDER, why))
     return blocks, layers, rows
 
 
@@ -88,7 +97,7 @@ def block_rules(block_size, graft, preconditioned_sides):
     def rule_of(block):
         if not block.has_factors:
             if graft is not None:
-                return "first order", (f"graft={graft!r} gives it Adam's step instead of the "
+                return FIRST_ORDER, (f"graft={graft!r} gives it Adam's step instead of the "
                                        f"{block.rule}")
             return block.describe(block_size), ""
         note = unused[tuple(preconditioned_sides(block))]
@@ -131,12 +140,12 @@ class ThorReport:
     @property
     def preconditioned(self):
         """Paths of the variables with a THOR rule (Kronecker factors or LayerNorm)."""
-        return [row.variable for row in self.rows if row.rule != "first order"]
+        return [row.variable for row in self.rows if not row.first_order]
 
     @property
     def first_order(self):
         """``{path: reason}`` for the variables updated with their plain gradient."""
-        return {row.variable: row.reason for row in self.rows if row.rule == "first order"}
+        return {row.variable: row.reason for row in self.rows if row.first_order}
 
     def __str__(self):
         first_order = "plain gradient" if self.graft is None else "Adam's step"

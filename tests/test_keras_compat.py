@@ -48,6 +48,16 @@ def test_a_vanished_instance_attribute_is_named(monkeypatch):
         compat.check()
 
 
+@pytest.mark.parametrize("backend", ["jax", "torch", "numpy"])
+def test_another_keras_backend_is_named(monkeypatch, backend):
+    """A Keras configured for another backend (KERAS_BACKEND, keras.json) is named as the
+    cause, not blamed on the versions."""
+    monkeypatch.setattr(keras.backend, "backend", lambda: backend)
+    with pytest.raises(compat.KerasCompatibilityError,
+                       match=rf"TensorFlow backend.*'{backend}' backend.*KERAS_BACKEND="):
+        compat.check()
+
+
 def test_the_installed_versions_pass():
     compat.check()
 

@@ -31,7 +31,8 @@ __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOL
 
 
 class KerasCompatibilityError(ImportError):
-    """A private Keras/TensorFlow name tf_msopt relies on is gone or has changed."""
+    """Keras runs on another backend than TensorFlow, or a private Keras/TensorFlow name
+    tf_msopt relies on is gone or has changed."""
 
 
 # (owner, name, the parameters the package passes, after self)
@@ -119,8 +120,16 @@ def _assigned_in_source(owner, attribute):
 
 
 def check():
-    """Raises :class:`KerasCompatibilityError` naming the first private name that is gone
-    or changed; called when tf_msopt is imported."""
+    """Raises :class:`KerasCompatibilityError` if Keras runs on another backend, or naming
+    the first private name that is gone or changed; called when tf_msopt is imported."""
+    if keras.backend.backend() != "tensorflow":
+        # Checked first: on another backend the private names below belong to other
+        # classes, and the first one missing would blame the versions.
+        raise KerasCompatibilityError(
+            f"tf_msopt runs on Keras' TensorFlow backend, but Keras was loaded with the "
+            f"'{keras.backend.backend()}' backend (the KERAS_BACKEND environment variable, or "
+            f"\"backend\" in keras.json under KERAS_HOME or ~/.keras): set "
+            f"KERAS_BACKEND=tensorflow before Keras is first imported.")
     for owner, name, parameters in _METHODS:
         what = f"{owner.__module__}.{owner.__qualname__}.{name}"
         method = getattr(owner, name, None)

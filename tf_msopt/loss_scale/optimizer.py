@@ -13,7 +13,7 @@ from tf_msopt.loss_scale.update_cells import (DynamicLossScaleUpdateCell,
                                               FixedLossScaleUpdateCell, LossScaleUpdateCell,
                                               check_loss_scale, select)
 from tf_msopt.optimizers.base import (AcceptsEmptyGradients, BuildsOnceEveryReplicaIsReady,
-                                      WrapperOfOptimizer)
+                                      WrapperOfOptimizer, entry_point)
 
 __all__ = ["LossScaleOptimizer"]
 
@@ -192,6 +192,7 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
 
     # --- the step
 
+    @entry_point
     def apply(self, grads, trainable_variables=None):
         if not len(grads):   # nothing to check or apply: no step, as in Keras' optimizers
             return
@@ -274,12 +275,14 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
 
     # --- tf-keras custom-loop API
 
+    @entry_point
     def get_scaled_loss(self, loss):
         """``loss * scale`` (tf-keras' name for :meth:`scale_loss`); ``loss`` may be a callable."""
         if callable(loss):
             return lambda: self.scale_loss(loss())
         return self.scale_loss(loss)
 
+    @entry_point
     def get_unscaled_gradients(self, grads):
         """``grads * (1/scale)``; the next :meth:`apply` then takes its gradients as unscaled."""
         inv_scale = tf.math.reciprocal(self.loss_scale)

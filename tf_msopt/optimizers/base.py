@@ -32,6 +32,7 @@ __all__ = [
     "WrapperOfOptimizer",
     "check_filter",
     "default_name",
+    "entry_point",
     "make_variable_filter",
     "resolve_learning_rate",
     "serialize_filter",
@@ -185,10 +186,19 @@ def serialize_filter(spec, arg, owner):
     return keras.saving.serialize_keras_object(spec)
 
 
+def entry_point(method):
+    """Marks an optimizer method that users call inside their own ``tf.function`` (``apply``,
+    ``apply_gradients``): AutoGraph leaves it and what it calls unconverted. Converting them
+    added 0.03-0.13 s to a first trace, for code with no Python control flow on tensors
+    (Keras' ``fit`` turns AutoGraph off for its whole train step)."""
+    return tf.autograph.experimental.do_not_convert(method)
+
+
 class AcceptsEmptyGradients:
     """Mixin: ``apply_gradients([])`` is a no-op, as Keras' optimizer tests expect (Keras'
     own version fails to unpack an empty list)."""
 
+    @entry_point
     def apply_gradients(self, grads_and_vars):
         grads_and_vars = list(grads_and_vars)
         if not grads_and_vars:
@@ -209,6 +219,7 @@ class BuildsOnceEveryReplicaIsReady:
     say, as Keras' distributed tests do) is then in place for the build, whichever replica
     gets there first. Elsewhere Keras' ``apply`` builds as usual."""
 
+    @entry_point
     def apply(self, grads, trainable_variables=None):
         context = tf.distribute.get_replica_context()
         if (not self.built and trainable_variables is not None and len(grads)

@@ -11,6 +11,7 @@ from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     WrapperOfOptimizer,
     check_filter,
+    entry_point,
     make_variable_filter,
     serialize_filter,
 )
@@ -187,6 +188,7 @@ class LARS(WrapperOfOptimizer, MindSporeOptimizer):
                              and compat.uses_weight_decay(self.inner_optimizer, tf_variable(v))
                              for v in var_list]
 
+    @entry_point
     def apply(self, grads, trainable_variables=None):
         if not len(grads):  # Keras counts no step for an empty gradient list either
             return super().apply(grads, trainable_variables)

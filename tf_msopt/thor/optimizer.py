@@ -12,7 +12,7 @@ import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
-from tf_msopt.optimizers.base import MindSporeOptimizer, make_variable_filter
+from tf_msopt.optimizers.base import MindSporeOptimizer, entry_point, make_variable_filter
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning, from_config
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator
@@ -275,6 +275,7 @@ class THOR(ModelLink, LossScaleLink, MindSporeOptimizer):
 
     # --- the step
 
+    @entry_point
     def apply(self, grads, trainable_variables=None):
         self.wrapping_loss_scale_optimizer(self.connected_model())
         # Embedding gradients arrive as IndexedSlices; the preconditioned update is dense.

@@ -8,6 +8,7 @@ tf_msopt`` fail with the name and the version, never train with wrong numbers.
 The rest of the package goes through the functions and base classes below: the
 base classes turn Keras' private optimizer hooks into methods with package names.
 """
+import functools
 import inspect
 import re
 
@@ -108,15 +109,19 @@ def _check_parameters(function, what, parameters):
                              f"({', '.join(parameters)})")
 
 
+@functools.lru_cache(maxsize=None)
+def _class_source(cls):
+    """The source of ``cls`` ("" where it has none), read once: inspect parses the whole
+    module for each class, and the checks below read the same base classes many times."""
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError):
+        return ""
+
+
 def _assigned_in_source(owner, attribute):
     pattern = re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
-    for cls in owner.__mro__:
-        try:
-            if pattern.search(inspect.getsource(cls)):
-                return True
-        except (OSError, TypeError):
-            continue
-    return False
+    return any(pattern.search(_class_source(cls)) for cls in owner.__mro__)
 
 
 def check():

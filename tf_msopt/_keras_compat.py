@@ -3,7 +3,8 @@
 Keras and TensorFlow promise nothing about these names. Each one is checked when
 tf_msopt is imported (it exists, and a method still takes the parameters the
 package passes), so a release that renames or reshapes one makes ``import
-tf_msopt`` fail with the name and the version, never train with wrong numbers.
+tf_msopt`` fail with the name and the version, never train with wrong numbers. The
+import also fails, saying so, where Keras runs on another backend than TensorFlow.
 
 The rest of the package goes through the functions and base classes below: the
 base classes turn Keras' private optimizer hooks into methods with package names.

@@ -276,8 +276,9 @@ for case in C.CASES:
     converted.clear()
     # AutoGraph on (the default), on a function whose source it can read.
     tf.function(functools.partial(C.loop_step, model, optimizer, x, y))()
+    moved = max(float(abs(a - b).max()) for a, b in zip(C.weights(model), before))
     results[case] = {"converted": sorted(m for m in converted if m.startswith("tf_msopt")),
-                     "moved": max(float(abs(a - b).max()) for a, b in zip(C.weights(model), before))}
+                     "moved": moved}
 print(json.dumps(results))
 """
 

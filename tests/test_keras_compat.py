@@ -1,4 +1,5 @@
 """Every private Keras/TensorFlow name the package uses is checked when it is imported."""
+import re
 import subprocess
 import sys
 
@@ -56,6 +57,21 @@ def test_another_keras_backend_is_named(monkeypatch, backend):
     with pytest.raises(compat.KerasCompatibilityError,
                        match=rf"TensorFlow backend.*'{backend}' backend.*KERAS_BACKEND="):
         compat.check()
+
+
+@pytest.mark.parametrize("owner, attribute", [
+    (owner, attribute) for owner, attributes in compat._INSTANCE_ATTRIBUTES
+    for attribute in attributes])
+def test_instance_attributes_are_found_in_the_methods_lines(owner, attribute):
+    """The import's cheap path finds every attribute in the lines of the classes' own
+    functions, without reading (and tokenizing) whole classes; those lines are part of
+    the class's source."""
+    pattern = re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
+    found = [cls for cls in owner.__mro__ if pattern.search(compat._methods_source(cls))]
+    assert found
+    class_source = compat._class_source(found[0])
+    assert all(line in class_source
+               for line in compat._methods_source(found[0]).splitlines())
 
 
 def test_the_installed_versions_pass():

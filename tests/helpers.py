@@ -41,6 +41,27 @@ def benchmark_module(name):
     return module
 
 
+#: Code that makes a fresh process record, in ``converted``, the module of every function
+#: whose source AutoGraph reads to convert it (it reads them through inspect.findsource).
+#: A fresh process, because AutoGraph keeps its conversions for the process's life.
+RECORD_AUTOGRAPH = """
+import functools, inspect, json, sys
+sys.path[:0] = ["tests", "tests/contract"]
+import tensorflow as tf
+converted, find_source = set(), inspect.findsource
+def recording(entity):
+    converted.add(getattr(entity, "__module__", "") or "")
+    return find_source(entity)
+inspect.findsource = recording
+def package_code_converted(function, *args):
+    \"\"\"The package's modules AutoGraph converts while it traces ``function(*args)`` (a
+    function whose source it can read) in a tf.function, as a custom loop's.\"\"\"
+    converted.clear()
+    tf.function(functools.partial(function, *args))()
+    return sorted(module for module in converted if module.startswith("tf_msopt"))
+"""
+
+
 def run_fresh_python(code, timeout=240):
     """Runs ``code`` in a new Python process; returns the JSON its last stdout line prints."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)

@@ -1,4 +1,5 @@
-"""The shared base: learning-rate forms, variable filters, argument checks, schedules."""
+"""The shared base: learning-rate forms, variable filters, argument checks, schedules, the
+entry points AutoGraph leaves unconverted."""
 import math
 import os
 
@@ -8,7 +9,7 @@ import pytest
 import tensorflow as tf
 
 import tf_msopt as mso
-from helpers import run_fresh_python
+from helpers import RECORD_AUTOGRAPH, run_fresh_python
 from tf_msopt import _validation as v
 from tf_msopt._common import register
 from tf_msopt.optimizers.base import (MindSporeOptimizer, check_filter, make_variable_filter,
@@ -238,3 +239,33 @@ def test_sign_decay_schedules_match_their_formulas():
 def test_sign_decay_argument_errors(make, error):
     with pytest.raises(error):
         make()
+
+
+OPS_AUTOGRAPH_CODE = RECORD_AUTOGRAPH + """
+import numpy as np
+import tf_msopt as mso
+matrices = tf.constant(np.eye(4, dtype=np.float32)[None] * 2.0)
+grad = tf.fill([8], 0.5)
+def state():
+    return tf.Variable(tf.ones([8])), tf.Variable(tf.zeros([8]))
+calls = {
+    "damped_inverse": (mso.ops.damped_inverse, matrices, 0.1),
+    "apply_add_sign": (mso.ops.apply_add_sign, *state(), 0.1, 1.0, 1.0, 0.9, grad),
+    "apply_power_sign": (mso.ops.apply_power_sign, *state(), 0.1, 2.718, 1.0, 0.9, grad),
+    "adam_offload_step": (mso.ops.adam_offload_step, *state(), grad, 0.9, 0.999, 1e-3, 0.9,
+                          0.999, 1e-8),
+    "adam_offload_steps": (mso.ops.adam_offload_steps, *([x] for x in state()), [grad], 0.9,
+                           0.999, 1e-3, 0.9, 0.999, 1e-8),
+}
+print(json.dumps({name: package_code_converted(*call) for name, call in calls.items()}))
+"""
+
+
+@pytest.mark.slow
+def test_autograph_in_a_users_tf_function_converts_no_op_code():
+    """The public ops in a custom loop's ``tf.function`` (AutoGraph on): converting them and
+    what they call cost a first trace 0.3-0.6 s each."""
+    results = run_fresh_python(OPS_AUTOGRAPH_CODE)
+    assert set(results) == {"damped_inverse", "apply_add_sign", "apply_power_sign",
+                            "adam_offload_step", "adam_offload_steps"}
+    assert all(converted == [] for converted in results.values()), results

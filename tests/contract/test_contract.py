@@ -21,7 +21,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import run_fresh_python
+from helpers import RECORD_AUTOGRAPH, run_fresh_python
 
 import tf_msopt as mso
 
@@ -256,29 +256,17 @@ def test_jit_compile_on_equals_off(case):
     assert_same(_fit_weights(case, xla_step=True), want, rtol=1e-5, atol=1e-6)
 
 
-AUTOGRAPH_CODE = """
-import functools, inspect, json, sys
-sys.path[:0] = ["tests", "tests/contract"]
-import tensorflow as tf
+AUTOGRAPH_CODE = RECORD_AUTOGRAPH + """
 import cases as C
-# AutoGraph reads the source of each function it converts through inspect.findsource.
-converted, find_source = set(), inspect.findsource
-def recording(entity):
-    converted.add(getattr(entity, "__module__", "") or "")
-    return find_source(entity)
-inspect.findsource = recording
 results = {}
 for case in C.CASES:
     model = C.mlp()
     optimizer = C.make(case, model)
     x, y = C.batches(1)[0]
     before = C.weights(model)
-    converted.clear()
-    # AutoGraph on (the default), on a function whose source it can read.
-    tf.function(functools.partial(C.loop_step, model, optimizer, x, y))()
+    converted = package_code_converted(C.loop_step, model, optimizer, x, y)
     moved = max(float(abs(a - b).max()) for a, b in zip(C.weights(model), before))
-    results[case] = {"converted": sorted(m for m in converted if m.startswith("tf_msopt")),
-                     "moved": moved}
+    results[case] = {"converted": converted, "moved": moved}
 print(json.dumps(results))
 """
 
@@ -287,8 +275,7 @@ print(json.dumps(results))
 def test_autograph_in_a_users_tf_function_converts_no_package_code():
     """A custom loop's ``tf.function`` has AutoGraph on, which would convert the optimizer's
     ``apply`` and what it calls on the first trace (0.03-0.13 s per optimizer), though Keras'
-    ``fit`` runs without it. A fresh process, since AutoGraph keeps its conversions for the
-    process's life; one test, so that pytest-xdist runs it on one worker."""
+    ``fit`` runs without it. One fresh process for every case."""
     results = run_fresh_python(AUTOGRAPH_CODE, timeout=600)
     assert set(results) == set(C.CASES)
     for case, result in results.items():

@@ -6,14 +6,14 @@ import numpy as np
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import register
+from tf_msopt._common import entry_point, register
 from tf_msopt._validation import check_int, type_name
 from tf_msopt.loss_scale.managers import DynamicLossScaleManager, FixedLossScaleManager
 from tf_msopt.loss_scale.update_cells import (DynamicLossScaleUpdateCell,
                                               FixedLossScaleUpdateCell, LossScaleUpdateCell,
                                               check_loss_scale, select)
 from tf_msopt.optimizers.base import (AcceptsEmptyGradients, BuildsOnceEveryReplicaIsReady,
-                                      WrapperOfOptimizer, entry_point)
+                                      WrapperOfOptimizer)
 
 __all__ = ["LossScaleOptimizer"]
 

@@ -38,6 +38,7 @@ import functools
 import numpy as np
 import tensorflow as tf
 
+from tf_msopt._common import entry_point
 from tf_msopt.ops._loader import load_custom_ops
 
 __all__ = ["BLOCK_SIZE", "STATE_DTYPES", "adam_offload_step", "adam_offload_steps",
@@ -63,6 +64,7 @@ def _on_cpu(variable):
     return tf.DeviceSpec.from_string(variable.device or "").device_type in (None, "CPU")
 
 
+@entry_point
 def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
                       grad_scale=1.0, use_nesterov=False, use_locking=False, var=None,
                       assign=None, assign_add=None, state_dtype=None, scales=None):
@@ -102,6 +104,7 @@ def adam_offload_step(m, v, grad, beta1_power, beta2_power, lr, beta1, beta2, ep
     return None if deltas is None else deltas[0]
 
 
+@entry_point
 def adam_offload_steps(ms, vs, grads, beta1_power, beta2_power, lr, beta1, beta2, epsilon,
                        grad_scale=1.0, use_nesterov=False, use_locking=False, variables=None,
                        assign=None, assign_add=None, state_dtype=None, scales=None):

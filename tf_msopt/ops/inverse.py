@@ -33,7 +33,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import in_xla_context
+from tf_msopt._common import entry_point, in_xla_context
 from tf_msopt.ops._loader import load_custom_ops
 
 __all__ = ["damped_inverse", "damped_inverse_with_status", "damped_inverse_with_retry",
@@ -167,6 +167,7 @@ def _failure_message(ok):
             f"indices {failed}.")
 
 
+@entry_point
 def damped_inverse(matrices, damping):
     """``inv(M + damping * I)`` for a batch ``[..., n, n]`` of symmetric positive definite ``M``.
 

@@ -20,7 +20,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_msopt._common import in_xla_context
+from tf_msopt._common import entry_point, in_xla_context
 from tf_msopt.ops._loader import load_custom_ops
 
 __all__ = ["apply_add_sign", "apply_power_sign", "update_sign_variables"]
@@ -163,6 +163,7 @@ def _apply(rule, var, m, lr, coefficient, sign_decay, beta, grad):
     return _sign_step(rule, var_value, m_value, *scalars, grad_value)
 
 
+@entry_point
 def apply_add_sign(var, m, lr, alpha, sign_decay, beta, grad):
     """One AddSign step with MindSpore's ``ops.ApplyAddSign`` contract.
 
@@ -182,6 +183,7 @@ def apply_add_sign(var, m, lr, alpha, sign_decay, beta, grad):
     return _apply("add_sign", var, m, lr, alpha, sign_decay, beta, grad)
 
 
+@entry_point
 def apply_power_sign(var, m, lr, logbase, sign_decay, beta, grad):
     """One PowerSign step with MindSpore's ``ops.ApplyPowerSign`` contract.
 

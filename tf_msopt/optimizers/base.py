@@ -21,7 +21,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import in_xla_context, tf_variable
+from tf_msopt._common import entry_point, in_xla_context, tf_variable
 from tf_msopt._validation import check_bool, type_name
 from tf_msopt.schedules import PerStepSchedule, Schedule
 
@@ -32,7 +32,6 @@ __all__ = [
     "WrapperOfOptimizer",
     "check_filter",
     "default_name",
-    "entry_point",
     "make_variable_filter",
     "resolve_learning_rate",
     "serialize_filter",
@@ -184,14 +183,6 @@ def serialize_filter(spec, arg, owner):
             f"function with @keras.saving.register_keras_serializable()."
         )
     return keras.saving.serialize_keras_object(spec)
-
-
-def entry_point(method):
-    """Marks an optimizer method that users call inside their own ``tf.function`` (``apply``,
-    ``apply_gradients``): AutoGraph leaves it and what it calls unconverted. Converting them
-    added 0.03-0.13 s to a first trace, for code with no Python control flow on tensors
-    (Keras' ``fit`` turns AutoGraph off for its whole train step)."""
-    return tf.autograph.experimental.do_not_convert(method)
 
 
 class AcceptsEmptyGradients:

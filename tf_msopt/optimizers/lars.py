@@ -3,7 +3,7 @@ import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import register, tf_variable
+from tf_msopt._common import entry_point, register, tf_variable
 from tf_msopt._validation import check_bool, check_float, type_name
 from tf_msopt.ops.lars import (apply_lars_momentum, decayed_gradient_and_trust, lars_gradient,
                                lars_momentum_kernel)
@@ -11,7 +11,6 @@ from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     WrapperOfOptimizer,
     check_filter,
-    entry_point,
     make_variable_filter,
     serialize_filter,
 )

@@ -11,8 +11,8 @@ import functools
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
-from tf_msopt._common import register
-from tf_msopt.optimizers.base import MindSporeOptimizer, entry_point, make_variable_filter
+from tf_msopt._common import entry_point, register
+from tf_msopt.optimizers.base import MindSporeOptimizer, make_variable_filter
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor.curvature_base import CurvatureBlock, Preconditioning, from_config
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator

@@ -131,7 +131,10 @@ def _methods_source(cls):
         functions = ([member.fget, member.fset, member.fdel] if isinstance(member, property)
                      else [getattr(member, "__func__", member)])
         for function in functions:
-            code = getattr(inspect.unwrap(function), "__code__", None) if function else None
+            # Only functions: other class attributes (lazy modules, descriptors) may run code
+            # when asked for attributes.
+            code = (getattr(inspect.unwrap(function), "__code__", None)
+                    if inspect.isfunction(function) else None)
             if code is None:
                 continue
             last = max((line for _, _, line in code.co_lines() if line), default=0)

@@ -1,5 +1,4 @@
 """Every private Keras/TensorFlow name the package uses is checked when it is imported."""
-import re
 import subprocess
 import sys
 
@@ -66,7 +65,7 @@ def test_instance_attributes_are_found_in_the_methods_lines(owner, attribute):
     """The import's cheap path finds every attribute in the lines of the classes' own
     functions, without reading (and tokenizing) whole classes; those lines are part of
     the class's source."""
-    pattern = re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
+    pattern = compat._assignment(attribute)
     found = [cls for cls in owner.__mro__ if pattern.search(compat._methods_source(cls))]
     assert found
     class_source = compat._class_source(found[0])

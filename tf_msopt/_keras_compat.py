@@ -142,8 +142,13 @@ def _methods_source(cls):
     return "".join(parts)
 
 
+def _assignment(attribute):
+    """The pattern of ``self.<attribute> = ...`` (or with an annotation) in source."""
+    return re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
+
+
 def _assigned_in_source(owner, attribute):
-    pattern = re.compile(rf"self\.{re.escape(attribute)}\s*(:[^=]*)?=")
+    pattern = _assignment(attribute)
     return (any(pattern.search(_methods_source(cls)) for cls in owner.__mro__)
             or any(pattern.search(_class_source(cls)) for cls in owner.__mro__))
 

@@ -98,7 +98,7 @@ def block_rules(block_size, graft, preconditioned_sides):
         if not block.has_factors:
             if graft is not None:
                 return FIRST_ORDER, (f"graft={graft!r} gives it Adam's step instead of the "
-                                       f"{block.rule}")
+                                     f"{block.rule}")
             return block.describe(block_size), ""
         note = unused[tuple(preconditioned_sides(block))]
         return "; ".join(filter(None, [block.describe(block_size), note])), ""

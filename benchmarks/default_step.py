@@ -24,7 +24,8 @@ The measured parts follow by difference: the rotation (``rotation only - adam``)
 statistics (``no refresh - rotation only``) and the refresh (``every factor - no refresh``,
 spread over its ``frequency`` steps).
 
-The cost model counts floating-point operations (a multiply-add is two) per step, from the
+The cost model (the package's, ``tf_msopt.thor.cost``, which ``optimizer.report()`` prints
+for any model) counts floating-point operations (a multiply-add is two) per step, from the
 model and the optimizer's curvature state after the warm-up: the model's forward and backward
 pass (three times the forward pass that TensorFlow's profiler counts), and per factored layer
 the statistics (``2 r n b`` for a factor of dimension ``n`` kept in blocks of ``b`` from
@@ -58,8 +59,6 @@ from thor_step import BUILDERS, Case  # noqa: E402
 from timing import emit, machine, time_cases  # noqa: E402
 
 NEVER = 10**9     # a frequency no timed step reaches (step 0, in the warm-up, refreshes)
-EIGH_FLOPS = 9    # per b^3: a symmetric eigendecomposition with its eigenvectors
-CHECK_FLOPS = 2   # per b^3: P Q, the check whether the previous basis still holds
 WARMUP_REFRESHES = 5   # refresh intervals before timing: 50 steps, the averages filled (40)
 
 
@@ -99,6 +98,8 @@ MODELS = {
     "resnet50": (_thor_step_model("resnet50"), False),
     "transformer2": (_thor_step_model("transformer"), False),
 }
+#: Each part's field of tf_msopt.thor.cost.LayerCost.
+COST_FIELDS = {"rotation": "preconditioning", "statistics": "statistics", "refresh": "refresh"}
 PARTS = {"rotation": ("rotation only", "adam"),
          "statistics": ("no refresh", "rotation only"),
          "refresh": ("every factor", "no refresh")}
@@ -147,24 +148,11 @@ def forward_flops(model, x):
 
 
 def thor_flops(optimizer):
-    """``{part: flops per step}`` of THOR's statistics, rotation and refresh (amortised)."""
-    options, preconditioner = optimizer.options, optimizer.preconditioner
-    flops = dict.fromkeys(PARTS, 0.0)
-    buffers = optimizer._connection.statistics
-    for layer, buffer in zip(optimizer._estimator.layers, buffers):
-        block, rows = layer.block, float(buffer.rows.numpy())
-        sides = zip((block.a_layout(options.block_size), block.g_layout(options.block_size)),
-                    (block.g_dim, block.a_dim), preconditioner.statistics_shapes(block),
-                    preconditioner.preconditioned_sides(block))
-        for layout, other, shape, rotated in sides:
-            dim, size = layout.dim, layout.size
-            if len(shape) == 3:    # a diagonal A, or a factor left unestimated, costs ~0
-                flops["statistics"] += 2 * rows * dim * size
-            if rotated:
-                flops["rotation"] += 4 * dim * size * other
-                flops["refresh"] += ((EIGH_FLOPS + CHECK_FLOPS) * layout.count * size**3
-                                     / options.frequency)
-    return flops
+    """``{part: flops per step}`` of THOR's statistics, rotation and refresh (amortised): the
+    package's cost model (``optimizer.step_costs()``) summed over the layers."""
+    costs = optimizer.step_costs()
+    return {part: sum(getattr(cost, field) or 0.0 for cost in costs)
+            for part, field in COST_FIELDS.items()}
 
 
 def _time_model(name, factories, rounds, repeats):
@@ -206,7 +194,7 @@ def run_model(name, rounds, repeats):
     frequency = mso.thor.DEFAULTS["frequency"]
     measured = {part: ms[minuend] - ms[subtrahend]
                 for part, (minuend, subtrahend) in PARTS.items()}
-    flops = thor_flops(built["every factor"].optimizer)
+    flops = thor_flops(built["thor default"].optimizer)
     print(f"\n== {name}: {record['title']}, default frequency {frequency}, {rounds} rounds")
     for case, value in ms.items():
         print(f"{case:>14} {value:9.2f} ms/step {value / ms['adam']:6.2f}x Adam")

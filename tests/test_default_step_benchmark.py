@@ -48,7 +48,7 @@ def test_the_cases_leave_out_the_refresh_and_the_statistics():
 def test_cost_model_counts():
     """Dense 5 -> 8 and 8 -> 3 (no bias column in A), 16 rows, one block per factor."""
     x, y = _data()
-    case = default_step.Case(_model, default_step.cases()["every factor"], x, y)
+    case = default_step.Case(_model, default_step.cases()["thor default"], x, y)
     case.step()()
     flops = default_step.thor_flops(case.optimizer)
     frequency = case.optimizer.options.frequency

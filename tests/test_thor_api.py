@@ -162,6 +162,70 @@ def test_report_says_when_each_part_is_renewed(kwargs, schedule, inverts):
                            else "blocks of 1024")
 
 
+def _costs(report):
+    return {cost.layer: cost for cost in report.costs}
+
+
+def test_report_counts_the_operations_the_curvature_adds_a_step():
+    """Embedding 12 x 4 over 3 tokens (A diagonal), Dense 12 -> 5 and 5 -> 2; batch 8."""
+    model = keras.Sequential([
+        keras.Input((3,), dtype="int32"), keras.layers.Embedding(12, 4, name="emb"),
+        keras.layers.Flatten(), keras.layers.Dense(5, name="wide"),
+        keras.layers.Dense(2, name="head")])
+    optimizer = mso.thor(model, max_rotated_dim=4)   # wide's A (12), head's (5): not rotated
+    before = _costs(optimizer.report())
+    assert [cost.rows for cost in before.values()] == [None] * 3
+    assert before["wide"].statistics is None and "not measured yet" in str(optimizer.report())
+    model.compile(optimizer, "sparse_categorical_crossentropy")
+    rng = np.random.default_rng(0)
+    model.fit(rng.integers(0, 12, (8, 3)), rng.integers(0, 2, 8), batch_size=8, verbose=0)
+    costs = _costs(optimizer.report())
+    # Eigenbasis: statistics every step from r rows (2 r n^2 per factor), rotation into each
+    # basis and back (4 n^2 m per rotated side), refresh 11 n^3 (with the check) per 10 steps.
+    expected = {  # (rows, statistics, preconditioning, refresh)
+        "emb": (24, 2 * 24 * 4**2, 4 * 4**2 * 12, 11 * 4**3 / 10),
+        "wide": (8, 2 * 8 * 5**2, 4 * 5**2 * 12, 11 * 5**3 / 10),
+        "head": (8, 2 * 8 * 2**2, 4 * 2**2 * 5, 11 * 2**3 / 10),     # A (5) not rotated
+    }
+    assert list(costs) == list(expected)
+    for name, cost in costs.items():
+        assert (cost.rows, cost.statistics, cost.preconditioning, cost.refresh) == \
+            pytest.approx(expected[name]), name
+    # Its forward and backward pass, 6 r * 60, costs 4 * 25 * 12 at r = 10/3.
+    assert costs["wide"].break_even_rows == pytest.approx(4 * 5**2 * 12 / (6 * 60))
+    assert costs["emb"].break_even_rows is None     # a table it gathers from
+    text = str(optimizer.report())
+    assert re.search(r"\n  wide +400 \(8\) +1.2k +137.5 +3\n", text), text
+    assert "spread over 10 steps" in text and "break-even rows: the rows a step" in text
+
+
+def test_cost_of_mindspores_form_counts_its_inverses_per_thor_step():
+    optimizer = mso.thor(small_model(), 0.1, 0.03, 0.9, frequency=5)
+    model = optimizer.connected_model()
+    model.compile(optimizer, "mse")
+    model.fit(np.ones((6, 4), np.float32), np.ones((6, 2), np.float32), verbose=0)
+    # Statistics on THOR steps only, A_inv g G_inv (one product a side), an inverse 2 n^3.
+    fc, head = optimizer.report().costs
+    assert (fc.statistics, fc.preconditioning, fc.refresh) == pytest.approx(
+        (2 * 6 * (4**2 + 3**2) / 5, 2 * (4**2 * 3 + 3**2 * 4), 2 * (4**3 + 3**3) / 5))
+    assert head.preconditioning == pytest.approx(2 * (3**2 * 2 + 2**2 * 3))
+
+
+def test_the_cost_table_of_the_docs_is_what_the_report_prints():
+    model = keras.Sequential([keras.Input((784,))] + [
+        keras.layers.Dense(units, activation=activation, name=name) for units, activation, name
+        in ((256, "relu", "dense"), (128, "relu", "dense_1"), (10, None, "dense_2"))])
+    optimizer = mso.thor(model)
+    model.compile(optimizer, keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    rng = np.random.default_rng(0)
+    model.train_on_batch(rng.random((64, 784), dtype=np.float32), rng.integers(0, 10, 64))
+    printed = str(optimizer.report()).splitlines()
+    table = printed[next(i for i, line in enumerate(printed) if line.startswith("cost a step")):]
+    with open(os.path.join(REPO_ROOT, "docs", "thor.md")) as page:
+        text = page.read()
+    assert "```\n" + "\n".join(table) + "\n```" in text
+
+
 # -- config, connection ------------------------------------------------------------------------
 
 def test_config_round_trip():

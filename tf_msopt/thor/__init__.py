@@ -35,7 +35,9 @@ statistics to its layers.
 - ``loss_scale_link.py``: finds the LossScaleOptimizer that applies THOR;
 - ``execution.py``: conditionals on the step, one trace, replicas and devices;
 - ``report.py``: which layers get which rule (:class:`ThorReport`,
-  ``optimizer.report()``).
+  ``optimizer.report()``);
+- ``cost.py``: the floating-point operations the curvature adds to a step, per layer (the
+  report's last table).
 """
 import sys
 import types

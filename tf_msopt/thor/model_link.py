@@ -14,6 +14,7 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt._validation import type_name
 from tf_msopt.thor.capture import connect_when_built, watch_compile
 from tf_msopt.thor.connection import ModelConnection, matching_blocks
+from tf_msopt.thor.cost import layer_costs
 from tf_msopt.thor.report import (ThorReport, block_rules, describe_schedule, planned_rows,
                                   survey)
 from tf_msopt.thor.sampled_fisher import output_distribution
@@ -159,7 +160,17 @@ class ModelLink:
         return ThorReport(tuple(rows), options.frequency, options.block_size, backend,
                           self._connection is not None, decisions,
                           awaiting_build=self._unbuilt_model is not None,
-                          schedule=describe_schedule(options), graft=options.graft)
+                          schedule=describe_schedule(options), graft=options.graft,
+                          costs=tuple(self.step_costs()))
+
+    def step_costs(self):
+        """The floating-point operations THOR's curvature adds to a step, a
+        :class:`~tf_msopt.thor.cost.LayerCost` per layer with factors (none before THOR is
+        connected); the statistics are counted from the rows of the last statistics step."""
+        if self._connection is None:
+            return []
+        rows = [float(statistics.rows.numpy()) for statistics in self._connection.statistics]
+        return layer_costs(self._blocks, rows, self.options, self.preconditioner)
 
     def _block_rules(self):
         return block_rules(self.options.block_size, self.options.graft,

@@ -48,6 +48,13 @@ class InversePreconditioner:
 
     name = "inverse"
     damps_factors = True     # the inverses read the damping
+    step_products = 1        # a step multiplies the gradient by each inverse once
+
+    @staticmethod
+    def refresh_flops(size):
+        """Operations of one block's inverse: Cholesky, triangular inverse and ``L^-T L^-1``,
+        ``size^3 / 3`` multiply-adds each."""
+        return 2.0 * size**3
 
     def __init__(self, block_size, precondition_inputs=True):
         self.block_size, self.precondition_inputs = block_size, precondition_inputs
@@ -122,6 +129,7 @@ class EigenbasisPreconditioner:
 
     name = "eigenbasis"
     damps_factors = False
+    step_products = 2        # a step rotates the gradient into each eigenbasis and back
 
     def __init__(self, block_size, precondition_inputs=True, exponent=None, tolerance=None,
                  max_rotated_dim=None, statistics_decay=None):
@@ -137,6 +145,12 @@ class EigenbasisPreconditioner:
         return cls(options.block_size, options.experimental.precondition_inputs,
                    options.eigenbasis_exponent, options.eigenbasis_tolerance,
                    options.max_rotated_dim, options.statistics_decay)
+
+    def refresh_flops(self, size):
+        """Operations of one block's refresh: the eigendecomposition with its eigenvectors
+        (LAPACK's count, ``9 size^3``) and, with a tolerance, the check of the previous basis
+        (``P Q``, ``2 size^3``)."""
+        return (9.0 + (2.0 if self.tolerance is not None else 0.0)) * size**3
 
     def preconditioned_sides(self, block):
         """``(A, G)``: whether ``block``'s kernel is rotated on its input and its output side.

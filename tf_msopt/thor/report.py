@@ -6,7 +6,8 @@ each trainable variable a rule: a curvature block
 (:mod:`tf_msopt.thor.curvature_blocks`) or first order, with the reason, as a
 :class:`ReportRow` (:func:`block_rules` says how the configuration runs each block);
 :class:`ThorReport` is the readable account, under a line of when THOR renews what
-(:func:`describe_schedule`).
+(:func:`describe_schedule`) and over a table of what its curvature costs a step
+(:mod:`tf_msopt.thor.cost`).
 """
 import dataclasses
 
@@ -122,6 +123,8 @@ class ThorReport:
     their plain gradient. ``schedule`` says when the statistics and the preconditioner are
     renewed; ``inverse_backend`` names the inverse op in use, None where the preconditioner
     inverts nothing (the eigenbasis).
+    ``costs``: a :class:`~tf_msopt.thor.cost.LayerCost` per factored layer of the connected
+    model, the floating-point operations its curvature adds to a step.
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
     counts of inversions ``(refreshed, reused, frozen)``. ``awaiting_build``: THOR was
     created for a model not built yet, and connects when ``fit`` builds it.
@@ -136,6 +139,7 @@ class ThorReport:
     awaiting_build: bool = False
     schedule: str = ""
     graft: object = None
+    costs: tuple = ()
 
     @property
     def preconditioned(self):
@@ -164,10 +168,50 @@ class ThorReport:
         for row in self.rows:
             rule = row.rule if not row.reason else f"{row.rule}: {row.reason}"
             table.append((row.variable, f"{row.layer} ({row.layer_type})", rule))
-        widths = [max(len(line[i]) for line in table) for i in range(2)]
-        lines = [f"{a:<{widths[0]}}  {b:<{widths[1]}}  {c}" for a, b, c in table]
+        lines = _aligned(table)
+        if self.costs:
+            lines += _cost_lines(self.costs, self.frequency)
         if self.trace_decisions:
             lines.append("trace rule (inversions refreshed / reused / frozen):")
             lines += [f"  {layer}: {r} / {u} / {f}"
                       for layer, (r, u, f) in self.trace_decisions.items()]
         return "\n".join([header, *lines])
+
+
+def _aligned(table, indent=""):
+    """The rows of ``table`` (tuples of strings) as lines, every column but the last padded
+    to its widest cell."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]) - 1)]
+    return [indent + "  ".join([*(f"{cell:<{width}}" for cell, width in zip(row, widths)),
+                                row[-1]]).rstrip() for row in table]
+
+
+def _operations(count):
+    """``count`` floating-point operations in a few digits: ``834.9M``, ``1.56G``."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.4g}{unit}"
+    return f"{count:.4g}"
+
+
+def _cost_lines(costs, frequency):
+    """The table of :attr:`ThorReport.costs`, with a line for all layers together."""
+    lines = [f"cost a step in floating-point operations (a multiply-add is 2): statistics from "
+             f"the rows of the last statistics step, the refresh as if every factor were "
+             f"recomputed, spread over {frequency} steps"]
+    table = [("layer", "statistics (rows)", "preconditioning", "refresh", "break-even rows")]
+    for cost in costs:
+        statistics = ("not measured yet" if cost.statistics is None
+                      else f"{_operations(cost.statistics)} ({cost.rows})")
+        rows = "-" if cost.break_even_rows is None else f"{cost.break_even_rows:.0f}"
+        table.append((cost.layer, statistics, _operations(cost.preconditioning),
+                      _operations(cost.refresh), rows))
+    measured = all(cost.statistics is not None for cost in costs)
+    table.append(("all", _operations(sum(c.statistics for c in costs)) if measured else "-",
+                  _operations(sum(c.preconditioning for c in costs)),
+                  _operations(sum(c.refresh for c in costs)), ""))
+    lines += _aligned(table, indent="  ")
+    lines.append("break-even rows: the rows a step (examples times the positions where the "
+                 "kernel is applied) at which the kernel's own forward and backward pass costs "
+                 "what its preconditioning does")
+    return lines

@@ -183,16 +183,9 @@ def _adam_columns(files, results):
             + (f"; {versions}.\n" if versions else ".\n"))
 
 
-def render_adam_offload_step(results):
-    return _adam_columns(["adam_offload_step.json", "adam_offload_step_200.json"], results)
-
-
-def render_adam_offload_step_idle(results):
-    return _adam_columns(["adam_offload_step_idle.json"], results)
-
-
-def render_adam_offload_step_zen5(results):
-    return _adam_columns(["adam_offload_step_zen5.json"], results)
+def _adam_table(*files):
+    """The TABLES entry of the AdamOffload benchmark's runs in ``files``, one column each."""
+    return (lambda results: _adam_columns(list(files), results)), list(files)
 
 
 THOR_MODELS = {
@@ -704,10 +697,10 @@ def render_thor_configurations(results):
 TABLES = {  # name: (renderer, the results files it reads)
     "roofline": (render_roofline, ["roofline.json"]),
     "update_step": (render_update_step, ["update_step.json"]),
-    "adam_offload_step": (render_adam_offload_step,
-                          ["adam_offload_step.json", "adam_offload_step_200.json"]),
-    "adam_offload_step_idle": (render_adam_offload_step_idle, ["adam_offload_step_idle.json"]),
-    "adam_offload_step_zen5": (render_adam_offload_step_zen5, ["adam_offload_step_zen5.json"]),
+    "adam_offload_step": _adam_table("adam_offload_step.json", "adam_offload_step_200.json"),
+    "adam_offload_step_idle": _adam_table("adam_offload_step_idle.json"),
+    "adam_offload_step_zen5": _adam_table("adam_offload_step_zen5.json"),
+    "adam_offload_step_zen4": _adam_table("adam_offload_step_zen4.json"),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
     "thor_step_workers": (render_thor_step_workers, WORKERS_FILES),

@@ -1,8 +1,7 @@
 """What THOR's curvature adds to a training step, in floating-point operations.
 
 Per layer with Kronecker factors, a multiply-add counted as two operations, for a factor of
-dimension ``n`` kept in blocks of ``b`` (``count`` blocks) whose kernel has ``m`` entries per
-entry of the factor's side (the other factor's dimension):
+dimension ``n`` kept in ``count`` blocks of ``b``, ``m`` the other factor's dimension:
 
 - statistics: ``2 r n b`` from ``r`` rows (examples times the positions where the kernel is
   applied), on every step that measures them;

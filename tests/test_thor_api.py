@@ -211,6 +211,24 @@ def test_cost_of_mindspores_form_counts_its_inverses_per_thor_step():
     assert head.preconditioning == pytest.approx(2 * (3**2 * 2 + 2**2 * 3))
 
 
+def test_cost_with_gradient_accumulation_spreads_an_update_over_its_steps():
+    def costs(**kwargs):
+        keras.utils.set_random_seed(0)
+        model = small_model()
+        optimizer = mso.thor(model, **kwargs)
+        model.compile(optimizer, "mse")
+        model.fit(np.ones((8, 4), np.float32), np.ones((8, 2), np.float32), batch_size=4,
+                  verbose=0)
+        return optimizer.report().costs[0]
+
+    alone, accumulated = costs(), costs(gradient_accumulation_steps=2)
+    # Every step measures its 4 rows; the update preconditions and refreshes once a cycle.
+    assert (accumulated.rows, accumulated.statistics) == (alone.rows, alone.statistics) == (
+        4, 2 * 4 * (4**2 + 3**2))
+    assert accumulated.preconditioning == alone.preconditioning / 2 == 2 * (4**2 * 3 + 3**2 * 4)
+    assert accumulated.refresh == pytest.approx(alone.refresh / 2)
+
+
 def test_the_cost_table_of_the_docs_is_what_the_report_prints():
     model = keras.Sequential([keras.Input((784,))] + [
         keras.layers.Dense(units, activation=activation, name=name) for units, activation, name

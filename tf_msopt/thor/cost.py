@@ -11,7 +11,8 @@ dimension ``n`` kept in ``count`` blocks of ``b``, ``m`` the other factor's dime
 - refresh: the preconditioner's cost per block (``c b^3``) for every block of each
   preconditioned factor, as if every factor were recomputed, on every refresh.
 
-Each part is spread over the steps between two of its computations. The kernel's own
+Each part is spread over the training steps between two of its computations (with gradient
+accumulation, an update's preconditioning and refresh over its cycle's steps). The kernel's own
 forward and backward pass costs ``6 r k`` for a kernel of ``k`` entries applied to ``r``
 rows, so the preconditioning costs as much as that pass at ``2 p n b m / (6 k)`` rows a step
 (:attr:`LayerCost.break_even_rows`): the wider a kernel's factors and the fewer its rows,
@@ -43,7 +44,7 @@ class LayerCost:
     break_even_rows: object
 
 
-def layer_costs(blocks, rows, options, preconditioner):
+def layer_costs(blocks, rows, options, preconditioner, steps_per_update=1):
     """The :class:`LayerCost` of each block with factors.
 
     Args:
@@ -54,6 +55,8 @@ def layer_costs(blocks, rows, options, preconditioner):
             the statistics and the refresh run).
         preconditioner: the preconditioner in use (its ``statistics_shapes``,
             ``preconditioned_sides``, ``step_products`` and ``refresh_flops``).
+        steps_per_update: the training steps of one update (gradient accumulation's cycle):
+            every step measures statistics, the update preconditions and refreshes once.
     """
     statistics_every = (options.frequency if options.statistics_decay is None
                         else options.statistics_frequency)
@@ -70,9 +73,9 @@ def layer_costs(blocks, rows, options, preconditioner):
             statistics += 2.0 * (measured or 0) * layout.dim * layout.size / statistics_every
             if preconditioned:
                 preconditioning += (2.0 * preconditioner.step_products * layout.dim
-                                    * layout.size * other)
+                                    * layout.size * other / steps_per_update)
                 refresh += (layout.count * preconditioner.refresh_flops(layout.size)
-                            / options.frequency)
+                            / (options.frequency * steps_per_update))
         gathered = len(block.factor_shapes(options.block_size)[0]) != 3
         costs.append(LayerCost(
             block.name, block.kind, int(measured) if measured else None,

@@ -170,7 +170,8 @@ class ModelLink:
         if self._connection is None:
             return []
         rows = [float(statistics.rows.numpy()) for statistics in self._connection.statistics]
-        return layer_costs(self._blocks, rows, self.options, self.preconditioner)
+        return layer_costs(self._blocks, rows, self.options, self.preconditioner,
+                           self.gradient_accumulation_steps or 1)
 
     def _block_rules(self):
         return block_rules(self.options.block_size, self.options.graft,

@@ -196,7 +196,8 @@ def test_report_counts_the_operations_the_curvature_adds_a_step():
     assert costs["emb"].break_even_rows is None     # a table it gathers from
     text = str(optimizer.report())
     assert re.search(r"\n  wide +400 \(8\) +1.2k +137.5 +3\n", text), text
-    assert "spread over 10 steps" in text and "break-even rows: the rows a step" in text
+    assert "spread over the 10 updates between refreshes" in text
+    assert "break-even rows: the rows a step" in text
 
 
 def test_cost_of_mindspores_form_counts_its_inverses_per_thor_step():

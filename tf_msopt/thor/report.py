@@ -198,7 +198,7 @@ def _cost_lines(costs, frequency):
     """The table of :attr:`ThorReport.costs`, with a line for all layers together."""
     lines = [f"cost a step in floating-point operations (a multiply-add is 2): statistics from "
              f"the rows of the last statistics step, the refresh as if every factor were "
-             f"recomputed, spread over {frequency} steps"]
+             f"recomputed, spread over the {frequency} updates between refreshes"]
     table = [("layer", "statistics (rows)", "preconditioning", "refresh", "break-even rows")]
     for cost in costs:
         statistics = ("not measured yet" if cost.statistics is None

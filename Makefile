@@ -43,14 +43,16 @@ demo: $(STAMP)
 # and those marked `cpu_arithmetic` (float32 results whose last bits depend on the CPU's
 # instruction set), with oneDNN capped at AVX2 and its kernels off (TensorFlow's Eigen
 # kernels, which sum in another order). Third: the `cpu_arithmetic` tests with the compiled
-# ops and oneDNN capped at AVX2 (where the `half_precision` tests are skipped, and why, is
-# in docs/architecture.md). Tests marked `once` (the install, the docs build) run in the first
-# pass only. pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
+# ops and oneDNN on and capped at AVX2 (TensorFlow leaves oneDNN off by default on an AVX2
+# CPU, whose first pass then runs Eigen's kernels; where the `half_precision` tests are
+# skipped, and why, is in docs/architecture.md). Tests marked `once` (the install, the docs
+# build) run in the first pass only. pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	TF_MSOPT_DISABLE_CUSTOM_OPS=1 ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \
 		$(BIN)/python -m pytest $(PYTEST_ARGS) -m "(ops_path or cpu_arithmetic) and not once"
-	ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) -m "cpu_arithmetic and not once"
+	TF_ENABLE_ONEDNN_OPTS=1 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) \
+		-m "cpu_arithmetic and not once"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/roofline.py

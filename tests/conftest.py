@@ -16,6 +16,8 @@ from helpers import two_cpu_mirrored_strategy  # noqa: E402
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
+from tf_msopt import _keras_compat as compat  # noqa: E402
+
 
 #: Modules whose tests run code that differs without the compiled custom ops and do not
 #: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*,
@@ -62,9 +64,10 @@ def _capped_below_half_precision():
     """Why TensorFlow's float16/bfloat16 kernels crash here, or None: they follow the CPU's
     own features (AVX-512 FP16 and BF16, AMX), which a lower ``ONEDNN_MAX_CPU_ISA`` hides from
     oneDNN alone. A CPU without those features (a real AVX2 one) never takes those kernels,
-    and with oneDNN's kernels off (``TF_ENABLE_ONEDNN_OPTS=0``) Eigen's run instead."""
+    and with oneDNN's kernels off (``TF_ENABLE_ONEDNN_OPTS=0``, or TensorFlow's default on such
+    a CPU) Eigen's run instead."""
     cap = os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper()
-    if cap in _HALF_PRECISION_CAPS or os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0":
+    if cap in _HALF_PRECISION_CAPS or not compat.onednn_enabled():
         return None
     try:
         with open("/proc/cpuinfo") as f:

@@ -1,6 +1,4 @@
 """THOR against its NumPy reference (tests/thor_reference.py) and MindSpore's golden values."""
-import os
-
 import keras
 import numpy as np
 import pytest
@@ -9,6 +7,7 @@ import thor_reference as ref
 from helpers import kernel_gradients
 
 import tf_msopt as mso
+from tf_msopt import _keras_compat as compat
 from tf_msopt.ops._loader import DISABLE_ENV
 from tf_msopt.thor import blocks
 
@@ -520,7 +519,8 @@ def test_conv_patches_reproduce_the_convolution(layer, shape):
 
 #: TensorFlow's own CPU kernel of a transposed convolution (oneDNN's off) has neither
 #: dilation nor channels_first: Keras' layer cannot run those there.
-_WITH_ONEDNN = pytest.mark.skipif(os.environ.get("TF_ENABLE_ONEDNN_OPTS") == "0",
+# TensorFlow's default leaves oneDNN off on CPUs without VNNI, BF16 or AMX (AVX2 ones).
+_WITH_ONEDNN = pytest.mark.skipif(not compat.onednn_enabled(),
                                   reason="no dilated or channels_first Conv2DTranspose on "
                                          "TensorFlow's CPU kernel without oneDNN")
 

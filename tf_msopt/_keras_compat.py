@@ -22,10 +22,12 @@ from tensorflow.python.eager import record as tape_record
 from tensorflow.python.framework import kernels
 from tensorflow.python.ops import control_flow_util, resource_variable_ops
 from tensorflow.python.trackable import base as trackable_base
+from tensorflow.python.util import _pywrap_util_port
 
 __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOLIC_BUILD",
            "check", "distribution_strategy", "flatten_layers", "gradient_may_be_recorded",
-           "in_xla_context", "keras_mask", "merge_call", "optimizer_own_variables",
+           "in_xla_context", "keras_mask", "merge_call", "onednn_enabled",
+           "optimizer_own_variables",
            "overwrites_with_gradient",
            "own_iterations", "own_trainable_variables", "registered_kernel_devices",
            "resource_variable", "runs_every_stateful_op", "strategy_supports_no_merge_call",
@@ -85,6 +87,7 @@ _FUNCTIONS = (
     (resource_variable_ops, "ResourceVariable", ()),
     (tape_record, "could_possibly_record", ()),
     (masking, "get_keras_mask", ("x",)),
+    (_pywrap_util_port, "IsMklEnabled", ()),
 )
 
 
@@ -330,6 +333,13 @@ def in_xla_context():
     return control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph())
 
 
+def onednn_enabled():
+    """Whether TensorFlow runs oneDNN's CPU kernels in this process: as
+    ``TF_ENABLE_ONEDNN_OPTS`` says where it is set, else TensorFlow's choice for the CPU, on
+    only where it has AVX-512 VNNI or BF16, AVX-VNNI or AMX (off on an AVX2 AMD Zen 3)."""
+    return bool(_pywrap_util_port.IsMklEnabled())
+
+
 # ------------------------------------------------------------------------- hooks
 
 
@@ -410,3 +420,4 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def skip_non_finite(self):
         return keras.optimizers.LossScaleOptimizer._stateful_handle_non_finite_grads(self)
+

@@ -64,6 +64,7 @@ def machine_line(*payloads, files):
     for payload in payloads:
         m = payload.get("machine") or {}
         text = (f"{m.get('cpus')}-core {m.get('cpu')}, TensorFlow {m.get('tensorflow')}"
+                + (", oneDNN's kernels off" if m.get("onednn") is False else "")
                 if isinstance(m, dict) else str(m))
         if text not in machines:
             machines.append(text)

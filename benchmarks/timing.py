@@ -69,7 +69,9 @@ def time_cases(steps, rounds, calls_per_round, warmup=3, idle=0.0):
 
 def machine(cpuinfo="/proc/cpuinfo"):
     """The machine a result comes from: CPU model (with its widest vector extension), core
-    count, and the TensorFlow and Keras versions, as the results files name it."""
+    count, the TensorFlow and Keras versions and whether TensorFlow ran oneDNN's kernels
+    (its default leaves them off on an AVX2 CPU, which then runs Eigen's), as the results
+    files name it."""
     fields = {}
     try:
         with open(cpuinfo) as f:
@@ -96,6 +98,9 @@ def machine(cpuinfo="/proc/cpuinfo"):
             found[module] = __import__(module).__version__
         except ImportError:
             pass
+    if "tensorflow" in found:
+        from tf_msopt import _keras_compat
+        found["onednn"] = _keras_compat.onednn_enabled()
     return found
 
 

@@ -8,6 +8,8 @@ import pytest
 
 from helpers import REPO_ROOT, benchmark_module
 
+from tf_msopt import _keras_compat as compat
+
 render = benchmark_module("render")
 timing = benchmark_module("timing")
 RESULTS = os.path.join(REPO_ROOT, "benchmarks", "results")
@@ -153,6 +155,20 @@ def test_out_replaces_the_file_and_names_the_machine(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out.splitlines()[-1]) == {"benchmark": "x", "value": 2}
     machine = timing.machine()
     assert machine["cpus"] == os.cpu_count() and machine["cpu"]
+    assert machine["onednn"] is compat.onednn_enabled()
+
+
+@pytest.mark.parametrize("onednn, said", [(False, ", oneDNN's kernels off"), (True, ""),
+                                          (None, "")])
+def test_machine_line_says_when_onednn_was_off(onednn, said):
+    """An AVX2 CPU runs Eigen's kernels unless asked otherwise: the line says so (files from
+    before the field, None here, ran where TensorFlow's default is oneDNN's)."""
+    machine = {"cpu": "AMD EPYC (Zen 3), AVX2", "cpus": 2, "tensorflow": "2.21.0"}
+    if onednn is not None:
+        machine["onednn"] = onednn
+    assert render.machine_line({"machine": machine}, files=["x.json"]) == (
+        f"\nFrom `benchmarks/results/x.json`; 2-core AMD EPYC (Zen 3), AVX2, TensorFlow "
+        f"2.21.0{said}.\n")
 
 
 def test_every_benchmark_offers_out():

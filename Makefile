@@ -46,7 +46,8 @@ demo: $(STAMP)
 # ops and oneDNN on and capped at AVX2 (TensorFlow leaves oneDNN off by default on an AVX2
 # CPU, whose first pass then runs Eigen's kernels; where the `half_precision` tests are
 # skipped, and why, is in docs/architecture.md). Tests marked `once` (the install, the docs
-# build) run in the first pass only. pytest exits 5 when it collected no test; any non-zero exit fails `make test`.
+# build) run in the first pass only. pytest exits 5 when it collected no test; any non-zero
+# exit fails `make test`.
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 	TF_MSOPT_DISABLE_CUSTOM_OPS=1 ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0 \

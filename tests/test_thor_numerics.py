@@ -517,9 +517,9 @@ def test_conv_patches_reproduce_the_convolution(layer, shape):
                                rtol=1e-5, atol=1e-5)
 
 
-#: TensorFlow's own CPU kernel of a transposed convolution (oneDNN's off) has neither
-#: dilation nor channels_first: Keras' layer cannot run those there.
-# TensorFlow's default leaves oneDNN off on CPUs without VNNI, BF16 or AMX (AVX2 ones).
+#: TensorFlow's own CPU kernel of a transposed convolution (oneDNN's off: asked for, or by
+#: default on a CPU without VNNI, BF16 or AMX) has neither dilation nor channels_first:
+#: Keras' layer cannot run those there.
 _WITH_ONEDNN = pytest.mark.skipif(not compat.onednn_enabled(),
                                   reason="no dilated or channels_first Conv2DTranspose on "
                                          "TensorFlow's CPU kernel without oneDNN")

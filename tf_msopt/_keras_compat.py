@@ -27,9 +27,8 @@ from tensorflow.python.util import _pywrap_util_port
 __all__ = ["KerasCompatibilityError", "LossScaleOptimizer", "Optimizer", "SYMBOLIC_BUILD",
            "check", "distribution_strategy", "flatten_layers", "gradient_may_be_recorded",
            "in_xla_context", "keras_mask", "merge_call", "onednn_enabled",
-           "optimizer_own_variables",
-           "overwrites_with_gradient",
-           "own_iterations", "own_trainable_variables", "registered_kernel_devices",
+           "optimizer_own_variables", "overwrites_with_gradient", "own_iterations",
+           "own_trainable_variables", "registered_kernel_devices",
            "resource_variable", "runs_every_stateful_op", "strategy_supports_no_merge_call",
            "symbolic_build", "tracked_index", "trainable_variables", "uses_weight_decay",
            "variable_index"]
@@ -420,4 +419,3 @@ class LossScaleOptimizer(keras.optimizers.LossScaleOptimizer):
 
     def skip_non_finite(self):
         return keras.optimizers.LossScaleOptimizer._stateful_handle_non_finite_grads(self)
-

@@ -20,11 +20,11 @@ tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfigu
 # Options on each): freeing an iterator that an earlier fit or evaluate left behind waited
 # for its autotuning thread, 18 s to 5 minutes with both cores idle, in a test that happened
 # to collect the garbage. Batches and their order are the same without it.
-_new_options = tf.data.Options.__init__
+_default_options_init = tf.data.Options.__init__
 
 
 def _options_without_autotuning(options):
-    _new_options(options)
+    _default_options_init(options)
     options.autotune.enabled = False
 
 

@@ -58,18 +58,28 @@ def load(name, results=RESULTS):
         return json.load(f)
 
 
+def _machine_text(payload):
+    m = payload.get("machine") or {}
+    if not isinstance(m, dict):
+        return str(m)
+    return (f"{m.get('cpus')}-core {m.get('cpu')}, TensorFlow {m.get('tensorflow')}"
+            + (", oneDNN's kernels off" if m.get("onednn") is False else ""))
+
+
 def machine_line(*payloads, files):
-    """Where the figures come from: the files and the machine they name."""
-    machines = []
-    for payload in payloads:
-        m = payload.get("machine") or {}
-        text = (f"{m.get('cpus')}-core {m.get('cpu')}, TensorFlow {m.get('tensorflow')}"
-                + (", oneDNN's kernels off" if m.get("onednn") is False else "")
-                if isinstance(m, dict) else str(m))
-        if text not in machines:
-            machines.append(text)
-    names = ", ".join(f"`benchmarks/results/{f}`" for f in files)
-    return f"\nFrom {names}; {'; '.join(machines)}.\n"
+    """Where the figures come from: the files and the machine they name; with one payload
+    per file from more than one machine, each machine after its files."""
+    machines = [_machine_text(payload) for payload in payloads]
+    distinct = list(dict.fromkeys(machines))
+
+    def names(chosen):
+        return ", ".join(f"`benchmarks/results/{f}`" for f in chosen)
+
+    if len(distinct) > 1 and len(payloads) == len(files):
+        return "\nFrom " + "; ".join(
+            f"{names([f for f, m in zip(files, machines) if m == text])}: {text}"
+            for text in distinct) + ".\n"
+    return f"\nFrom {names(files)}; {'; '.join(distinct)}.\n"
 
 
 def table(header, rows):
@@ -460,9 +470,9 @@ def _title(convergence, task, info=None):
 
 
 def _from_files(tasks, block="tuned"):
-    names = [f"`benchmarks/results/{results_file(task, block)}`"
-             for task, info in tasks.items() if info]
-    return f"\nFrom {', '.join(names)}.\n" if names else ""
+    measured = {task: info for task, info in tasks.items() if info}
+    return machine_line(*measured.values(), files=[results_file(task, block)
+                                                   for task in measured]) if measured else ""
 
 
 def _epochs(values, show):

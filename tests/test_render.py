@@ -171,6 +171,18 @@ def test_machine_line_says_when_onednn_was_off(onednn, said):
         f"2.21.0{said}.\n")
 
 
+def test_machine_line_names_each_machine_after_its_files():
+    intel = {"machine": {"cpu": "Intel Xeon, AVX-512", "cpus": 2, "tensorflow": "2.21.0"}}
+    amd = {"machine": {"cpu": "AMD EPYC (Zen 5), AVX-512", "cpus": 2, "tensorflow": "2.21.0"}}
+    assert render.machine_line(intel, amd, intel, files=["a.json", "b.json", "c.json"]) == (
+        "\nFrom `benchmarks/results/a.json`, `benchmarks/results/c.json`: 2-core Intel Xeon, "
+        "AVX-512, TensorFlow 2.21.0; `benchmarks/results/b.json`: 2-core AMD EPYC (Zen 5), "
+        "AVX-512, TensorFlow 2.21.0.\n")
+    assert render.machine_line(intel, intel, files=["a.json", "b.json"]) == (
+        "\nFrom `benchmarks/results/a.json`, `benchmarks/results/b.json`; 2-core Intel Xeon, "
+        "AVX-512, TensorFlow 2.21.0.\n")
+
+
 def test_every_benchmark_offers_out():
     folder = os.path.join(REPO_ROOT, "benchmarks")
     scripts = [name for name in os.listdir(folder) if name.endswith(".py")

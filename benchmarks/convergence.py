@@ -91,7 +91,6 @@ runs one optimizer after another, so a machine that drifts during the run (a sha
 can, by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
-import contextlib
 import inspect
 import json
 import math
@@ -110,7 +109,8 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.compare import load_digits_split, make_model, muon, prepare  # noqa: E402
+from tf_msopt.compare import (  # noqa: E402
+    load_digits_split, make_model, muon, prepare, without_data_autotuning)
 from timing import balanced_orders, machine  # noqa: E402
 from targets import reaches  # noqa: E402
 
@@ -704,26 +704,6 @@ class EpochTimer(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self._start
         self.epoch_seconds.append(seconds + (self._setup if epoch == 0 else 0.0))
-
-
-@contextlib.contextmanager
-def without_data_autotuning():
-    """tf.data's autotuning off for the datasets made inside (Keras' data adapters create
-    ``tf.data.Options`` for each; the data and its order are unchanged). With it, freeing
-    the previous epoch's iterator waited for its autotuning thread: on the character LM the
-    first batch of a second epoch took 9-10 s instead of 0.05 s in about half the runs, a
-    cost only runs of more than one epoch paid."""
-    default_init = tf.data.Options.__init__
-
-    def options_without_autotuning(options):
-        default_init(options)
-        options.autotune.enabled = False
-
-    tf.data.Options.__init__ = options_without_autotuning
-    try:
-        yield
-    finally:
-        tf.data.Options.__init__ = default_init
 
 
 def train_keras(task, factory, data, initial_weights, epochs, batch_size, seed, target):

@@ -16,21 +16,17 @@ from helpers import two_cpu_mirrored_strategy  # noqa: E402
 _cpu = tf.config.list_physical_devices("CPU")[0]
 tf.config.set_logical_device_configuration(_cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
 
-# tf.data's autotuning off for every dataset the tests make (Keras' data adapters set
-# Options on each): freeing an iterator that an earlier fit or evaluate left behind waited
-# for its autotuning thread, 18 s to 5 minutes with both cores idle, in a test that happened
-# to collect the garbage. Batches and their order are the same without it.
-_default_options_init = tf.data.Options.__init__
-
-
-def _options_without_autotuning(options):
-    _default_options_init(options)
-    options.autotune.enabled = False
-
-
-tf.data.Options.__init__ = _options_without_autotuning
-
 from tf_msopt import _keras_compat as compat  # noqa: E402
+from tf_msopt.compare import without_data_autotuning  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _datasets_without_autotuning():
+    """Freeing an iterator that an earlier fit or evaluate left behind waited for its
+    autotuning thread, 18 s to 5 minutes with both cores idle, in a test that happened to
+    collect the garbage."""
+    with without_data_autotuning():
+        yield
 
 
 #: Modules whose tests run code that differs without the compiled custom ops and do not

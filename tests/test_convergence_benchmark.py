@@ -9,28 +9,12 @@ import types
 import keras
 import numpy as np
 import pytest
-import tensorflow as tf
 
 import tf_msopt as mso
 from tf_msopt import compare
 from helpers import REPO_ROOT, benchmark_module
 
 convergence = benchmark_module("convergence")
-
-
-def test_runs_make_their_datasets_without_autotuning(monkeypatch):
-    """Keras' data adapters create Options inside fit: those the runs make have autotuning
-    off, and the Options made after a run are as before."""
-    current = tf.data.Options.__init__
-
-    def with_autotuning(options):
-        current(options)
-        options.autotune.enabled = True
-
-    monkeypatch.setattr(tf.data.Options, "__init__", with_autotuning)
-    with convergence.without_data_autotuning():
-        assert tf.data.Options().autotune.enabled is False
-    assert tf.data.Options().autotune.enabled is True
 
 
 def test_to_target_takes_the_first_epoch_reaching_it():

@@ -7,9 +7,10 @@ import sys
 
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tf_msopt import __main__ as cli
-from tf_msopt.compare import compare, main as compare_main
+from tf_msopt.compare import compare, main as compare_main, without_data_autotuning
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,6 +43,22 @@ def test_compare_trains_every_optimizer_on_both_models_and_writes_the_plots(tmp_
     assert "epochs to target" in out and "THOR" in out and "AdamOffload" in out
     with open(os.path.join(tmp_path, "results.json")) as f:
         assert json.load(f)["cnn"]["Adam"]["val_accuracy"] == results["cnn"]["Adam"]["val_accuracy"]
+
+
+def test_runs_make_their_datasets_without_autotuning(monkeypatch):
+    """Keras' data adapters create Options inside fit: those the runs make (the demo's and
+    the convergence benchmark's) have autotuning off, and the Options made after are as
+    before."""
+    current = tf.data.Options.__init__
+
+    def with_autotuning(options):
+        current(options)
+        options.autotune.enabled = True
+
+    monkeypatch.setattr(tf.data.Options, "__init__", with_autotuning)
+    with without_data_autotuning():
+        assert tf.data.Options().autotune.enabled is False
+    assert tf.data.Options().autotune.enabled is True
 
 
 def test_compare_on_a_user_npz_without_validation_arrays(tmp_path):

@@ -452,6 +452,31 @@ def test_non_finite_statistics_keep_previous_inverse():
     assert int(optimizer.failed_inverses.numpy()) > 0
 
 
+
+def test_non_finite_statistics_keep_previous_eigenvectors():
+    """The default's form, statistics unaveraged and every basis recomputed, on a NaN
+    gradient: each block of the output side's factors (NaN) keeps its eigenvectors and is
+    counted once; the input side's (finite) are replaced."""
+    model = mixed_model()
+    optimizer = mso.thor(model, frequency=2, statistics_decay=None, eigenbasis_tolerance=None,
+                         block_size=4)
+    model.compile(optimizer=optimizer, loss="mse")
+    x, y = mixed_data(8)
+    model.train_on_batch(x, y)
+    model.train_on_batch(x, y)                           # stale
+    before = {field: [v.numpy().copy() for v in curvature_variables(optimizer, field)]
+              for field in ("g_eigenvectors", "a_eigenvectors")}
+    y = y.copy()
+    y[0, 0] = np.nan
+    model.train_on_batch(x, y)                           # a refresh from NaN statistics
+    g_vectors = curvature_variables(optimizer, "g_eigenvectors")
+    for old, variable in zip(before["g_eigenvectors"], g_vectors):
+        np.testing.assert_array_equal(old, variable.numpy())
+    assert any(not np.array_equal(old, variable.numpy()) for old, variable in zip(
+        before["a_eigenvectors"], curvature_variables(optimizer, "a_eigenvectors")))
+    assert int(optimizer.failed_inverses.numpy()) == sum(
+        variable.shape[0] for variable in g_vectors if len(variable.shape) == 3)
+
 def test_example_runs():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     result = subprocess.run([sys.executable, "examples/thor_cnn.py", "--epochs", "1"],

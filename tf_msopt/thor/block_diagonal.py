@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
-__all__ = ["BlockLayout", "basis_drift", "covariance_blocks", "robust_eigenvectors",
+__all__ = ["BlockLayout", "basis_drift", "covariance_blocks", "joined", "robust_eigenvectors",
            "robust_inverse", "robust_inverses", "left_multiply", "right_multiply",
            "robust_reciprocal"]
 
@@ -74,8 +74,9 @@ def _unstack(blocks, layout):
     return blocks
 
 
-def _join(products, axis):
-    return products[0] if len(products) == 1 else tf.concat(products, axis=axis)
+def joined(tensors, axis=0):
+    """``tensors`` concatenated along ``axis``; a single one as it is (no op in the trace)."""
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=axis)
 
 
 # One plain matmul per block: on CPU a batched matmul costs more per call at THOR's small
@@ -93,14 +94,14 @@ def covariance_blocks(rows, layout):
 def left_multiply(blocks, layout, matrix, transpose=False):
     """``blockdiag(blocks) @ matrix`` (``transpose``: ``blockdiag(blocks)^T @ matrix``) for
     ``matrix`` of shape ``[dim, k]``."""
-    return _join([tf.matmul(block, part, transpose_a=transpose) for block, part in
+    return joined([tf.matmul(block, part, transpose_a=transpose) for block, part in
                   zip(_unstack(blocks, layout), _split(matrix, layout, 0))], axis=0)
 
 
 def right_multiply(matrix, blocks, layout, transpose=False):
     """``matrix @ blockdiag(blocks)`` (``transpose``: ``matrix @ blockdiag(blocks)^T``) for
     ``matrix`` of shape ``[k, dim]``."""
-    return _join([tf.matmul(part, block, transpose_b=transpose) for part, block in
+    return joined([tf.matmul(part, block, transpose_b=transpose) for part, block in
                   zip(_split(matrix, layout, 1), _unstack(blocks, layout))], axis=1)
 
 
@@ -154,9 +155,6 @@ def robust_inverses(factors, use=None):
 
 def _robust_inverse_group(factors, use):
     """:func:`robust_inverses` of factors whose blocks have one size, in one call."""
-    def joined(tensors):
-        return tf.concat(tensors, axis=0) if len(tensors) > 1 else tensors[0]
-
     counts = [m.shape[0] for m, _, _ in factors]
     matrices = joined([m for m, _, _ in factors])
     if all(damping is factors[0][1] for _, damping, _ in factors):
@@ -189,22 +187,23 @@ def robust_eigenvectors(statistics, layout, previous, use=True):
     Padded positions get the eigenvalue -1, so their columns are zero too.
 
     Returns:
-        ``(eigenvectors, kept)``: the blocks, and how many of the used ones kept their
-        previous value.
+        ``(eigenvectors, kept)``: the blocks, and per block whether it was used and kept
+        its previous value (bool ``[blocks]``).
     """
     finite = tf.reduce_all(tf.math.is_finite(statistics), axis=[-2, -1])
     # A block that is not finite is decomposed as zeros (any finite matrix would do) and
-    # then keeps its previous eigenvectors.
+    # then keeps its previous eigenvectors. (Reshapes, not ``[:, None, None]``: a slice is
+    # four operations in the trace, repeated for each group of factors.)
+    finite_weight = tf.reshape(tf.cast(finite, statistics.dtype), [-1, 1, 1])
     matrices = tf.math.multiply_no_nan(layout.with_padding_diagonal(statistics, -1.0),
-                                       tf.cast(finite, statistics.dtype)[:, None, None])
+                                       finite_weight)
     values, vectors = tf.linalg.eigh(matrices)
     rounding = (layout.size * np.finfo(statistics.dtype.as_numpy_dtype).eps
                 * tf.reduce_max(values, axis=-1, keepdims=True))
-    vectors = tf.reverse(vectors * tf.cast(values > rounding, vectors.dtype)[:, None, :],
-                         axis=[-1])
+    vectors = tf.reverse(vectors * tf.reshape(tf.cast(values > rounding, vectors.dtype),
+                                              [-1, 1, layout.size]), axis=[-1])
     ok = finite & tf.reduce_all(tf.math.is_finite(vectors), axis=[-2, -1])
-    return (tf.where((ok & use)[:, None, None], vectors, previous),
-            _count(tf.logical_not(ok) & use))
+    return tf.where(tf.reshape(ok & use, [-1, 1, 1]), vectors, previous), ~ok & use
 
 
 def basis_drift(statistics, eigenvectors):

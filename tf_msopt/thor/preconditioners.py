@@ -6,9 +6,10 @@ the layer's factors on refresh steps (:meth:`refresh`) and turns a gradient into
 (:meth:`step`). ``preconditioner="inverse"`` is MindSpore's, ``"eigenbasis"`` the
 default's; another is one more class in :data:`PRECONDITIONERS`.
 """
+import numpy as np
 import tensorflow as tf
 
-from tf_msopt.thor.block_diagonal import (basis_drift, robust_eigenvectors,
+from tf_msopt.thor.block_diagonal import (basis_drift, joined, robust_eigenvectors,
                                           robust_inverses)
 from tf_msopt.thor.curvature_base import Preconditioning
 from tf_msopt.thor.grafting import adam_step, second_moment
@@ -218,33 +219,41 @@ class EigenbasisPreconditioner:
                 key = layout if layout.size <= GROUPED_SIZE else (layout, id(variable))
                 groups.setdefault(key, []).append((layout, variable, statistics, used,
                                                    filling))
+        # Each group's bookkeeping is repeated in the trace, so it is kept to few operations
+        # (the refresh's graph is most of what THOR adds to a small model's first step): no
+        # concatenation or split of a single factor, a decision per factor spread over its
+        # blocks only where it has several, and one count of the kept blocks of all groups.
         kept, decomposed = [], []
         for members in groups.values():
             layouts, variables, statistics, used, filling = zip(*members)
             layout = layouts[0]
-            statistics = tf.concat(statistics, 0)
-            previous = tf.concat([tf.convert_to_tensor(v) for v in variables], 0)
+            statistics = joined(statistics)
+            previous = joined([tf.convert_to_tensor(v) for v in variables])
             decompose = tf.stack(used)
             if self.tolerance is not None:
                 # A basis that still diagonalises its factor is kept: its decomposition is
                 # the refresh's cost, and a factor that barely moved would return it.
-                drift = tf.reshape(basis_drift(statistics, previous), [len(members), -1])
-                decompose &= tf.stack(filling) | tf.reduce_any(drift > self.tolerance, axis=1)
-            # Per block (tf.repeat would add a score of operations to each group's trace).
-            use = tf.reshape(tf.tile(decompose[:, None], [1, layout.count]), [-1])
-            decomposed.append(tf.reduce_any(decompose))
+                moved = basis_drift(statistics, previous) > self.tolerance
+                if layout.count > 1:
+                    moved = tf.reduce_any(tf.reshape(moved, [len(members), -1]), axis=1)
+                decompose &= tf.stack(filling) | moved
+            use = decompose if layout.count == 1 else tf.gather(
+                decompose, np.repeat(np.arange(len(members)), layout.count))
+            decomposed.append(decompose)
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
             else:
                 vectors, failed = tf.cond(
-                    decomposed[-1],
+                    tf.reduce_any(decompose),
                     lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
                         s, l, p, u),
-                    lambda p=previous: (p, tf.constant(0, tf.int64)))
-            for variable, part in zip(variables, tf.split(vectors, len(variables))):
+                    lambda p=previous: (p, tf.zeros(p.shape[:1], tf.bool)))
+            parts = [vectors] if len(variables) == 1 else tf.split(vectors, len(variables))
+            for variable, part in zip(variables, parts):
                 assign(variable, part)
             kept.append(failed)
-        return None, tf.add_n(kept), tf.reduce_any(decomposed)
+        return (None, tf.reduce_sum(tf.cast(joined(kept), tf.int64)),
+                tf.reduce_any(joined(decomposed)))
 
     def _filling(self, layer):
         """Whether ``layer``'s moving averages are still filling (no average: never)."""

@@ -452,7 +452,6 @@ def test_non_finite_statistics_keep_previous_inverse():
     assert int(optimizer.failed_inverses.numpy()) > 0
 
 
-
 def test_non_finite_statistics_keep_previous_eigenvectors():
     """The default's form, statistics unaveraged and every basis recomputed, on a NaN
     gradient: each block of the output side's factors (NaN) keeps its eigenvectors and is
@@ -476,6 +475,7 @@ def test_non_finite_statistics_keep_previous_eigenvectors():
         before["a_eigenvectors"], curvature_variables(optimizer, "a_eigenvectors")))
     assert int(optimizer.failed_inverses.numpy()) == sum(
         variable.shape[0] for variable in g_vectors if len(variable.shape) == 3)
+
 
 def test_example_runs():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)

@@ -14,9 +14,9 @@ import tensorflow as tf
 
 from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
-__all__ = ["BlockLayout", "basis_drift", "covariance_blocks", "joined", "robust_eigenvectors",
-           "robust_inverse", "robust_inverses", "left_multiply", "right_multiply",
-           "robust_reciprocal"]
+__all__ = ["BlockLayout", "basis_drift", "count_true", "covariance_blocks", "joined",
+           "per_block", "robust_eigenvectors", "robust_inverse", "robust_inverses",
+           "left_multiply", "right_multiply", "robust_reciprocal"]
 
 
 class BlockLayout(NamedTuple):
@@ -163,13 +163,11 @@ def _robust_inverse_group(factors, use):
         dampings = tf.concat([tf.fill([count], tf.cast(damping, matrices.dtype))
                               for count, (_, damping, _) in zip(counts, factors)], axis=0)
     inverses, retried, ok = damped_inverse_with_retry(matrices, dampings)
-    # Which factor each block belongs to is known when tracing: one gather, not one op per
-    # factor.
-    used = tf.gather(tf.stack(use), np.repeat(np.arange(len(factors)), counts))
+    used = per_block(tf.stack(use), counts)
     inverses = tf.where(tf.reshape(ok & used, [-1, 1, 1]), inverses,
                         joined([previous for _, _, previous in factors]))
     split = [inverses] if len(factors) == 1 else tf.split(inverses, counts)
-    return split, _count(retried & used), _count(used & tf.logical_not(ok))
+    return split, count_true(retried & used), count_true(used & tf.logical_not(ok))
 
 
 def robust_eigenvectors(statistics, layout, previous, use=True):
@@ -229,8 +227,18 @@ def robust_reciprocal(diagonal, damping, previous):
     result = tf.where(ok, first, tf.where(second_ok, second, previous))
     retried = tf.logical_not(tf.reduce_all(ok))
     kept = tf.logical_not(tf.reduce_all(ok | second_ok))
-    return result, _count(retried), _count(kept)
+    return result, count_true(retried), count_true(kept)
 
 
-def _count(flags):
+def per_block(flags, counts):
+    """Each factor's flag in ``flags`` repeated over its ``counts`` blocks (one count per
+    factor), as it is where every factor has one block. Which factor each block belongs to
+    is known when tracing: one gather, not one operation per factor."""
+    if all(count == 1 for count in counts):
+        return flags
+    return tf.gather(flags, np.repeat(np.arange(len(counts)), counts))
+
+
+def count_true(flags):
+    """How many of ``flags`` hold (an int64 scalar)."""
     return tf.reduce_sum(tf.cast(flags, tf.int64))

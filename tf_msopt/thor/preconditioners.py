@@ -6,11 +6,10 @@ the layer's factors on refresh steps (:meth:`refresh`) and turns a gradient into
 (:meth:`step`). ``preconditioner="inverse"`` is MindSpore's, ``"eigenbasis"`` the
 default's; another is one more class in :data:`PRECONDITIONERS`.
 """
-import numpy as np
 import tensorflow as tf
 
-from tf_msopt.thor.block_diagonal import (basis_drift, joined, robust_eigenvectors,
-                                          robust_inverses)
+from tf_msopt.thor.block_diagonal import (basis_drift, count_true, joined, per_block,
+                                          robust_eigenvectors, robust_inverses)
 from tf_msopt.thor.curvature_base import Preconditioning
 from tf_msopt.thor.grafting import adam_step, second_moment
 
@@ -237,8 +236,7 @@ class EigenbasisPreconditioner:
                 if layout.count > 1:
                     moved = tf.reduce_any(tf.reshape(moved, [len(members), -1]), axis=1)
                 decompose &= tf.stack(filling) | moved
-            use = decompose if layout.count == 1 else tf.gather(
-                decompose, np.repeat(np.arange(len(members)), layout.count))
+            use = per_block(decompose, [layout.count] * len(members))
             decomposed.append(decompose)
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
@@ -252,8 +250,7 @@ class EigenbasisPreconditioner:
             for variable, part in zip(variables, parts):
                 assign(variable, part)
             kept.append(failed)
-        return (None, tf.reduce_sum(tf.cast(joined(kept), tf.int64)),
-                tf.reduce_any(joined(decomposed)))
+        return None, count_true(joined(kept)), tf.reduce_any(joined(decomposed))
 
     def _filling(self, layer):
         """Whether ``layer``'s moving averages are still filling (no average: never)."""

@@ -60,7 +60,7 @@ of ``fit`` sees it, and ``fit``'s setup before ``on_train_begin``); not around
 ``fit``, which can return seconds after the last epoch. When ``kfac_jax`` is
 importable, the same models are also trained with kfac-jax
 (``benchmarks/kfac_jax_baseline.py``, whose docstring gives the install line), timed
-the same way.
+the same way, each run in a process of its own (``in_own_process``).
 
     python benchmarks/convergence.py [--block tuned|defaults|robustness|heldout|state_dtype]
                                      [--task mlp,cnn,mnist1d,transformer,mnist_mlp,charlm,rnn,...]
@@ -91,9 +91,11 @@ runs one optimizer after another, so a machine that drifts during the run (a sha
 can, by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
+import concurrent.futures
 import inspect
 import json
 import math
+import multiprocessing
 import os
 import platform
 import random
@@ -743,21 +745,48 @@ def to_target(history, target, metric="val_accuracy"):
     return reached + 1, history["seconds"][reached]
 
 
+def in_own_process(function, *args, **kwargs):
+    """``function(*args, **kwargs)`` in a new Python process, started afresh (spawned), its
+    result returned here. kfac-jax runs there: in this process, importing it (jax, with
+    TensorFlow Probability and tf-keras) and running it left the Keras runs after it 10-20%
+    slower, THOR's and Muon's alike."""
+    context = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
+        return pool.submit(function, *args, **kwargs).result()
+
+
+def _kfac_jax_baseline():
+    sys.path.insert(0, HERE)
+    import kfac_jax_baseline
+    return kfac_jax_baseline
+
+
+def _kfac_jax_models():
+    """The models kfac_jax_baseline trains, or why it cannot be imported."""
+    try:
+        return _kfac_jax_baseline().MODELS
+    except ImportError as err:
+        return str(err)
+
+
+def _train_kfac_jax(*args, **kwargs):
+    return _kfac_jax_baseline().train_kfac_jax(*args, **kwargs)
+
+
 def kfac_jax_runs(task, target, block="tuned"):
     """kfac-jax's (label, params, train(data, initial, epochs, batch, seed)) settings of
     ``block`` (its grid; its adaptive mode as the default; none for robustness, where its
     adaptive mode has no learning rate to scale, or heldout, which re-runs THOR and the
     first-order optimizers), or [] when kfac_jax is not importable or does not cover
-    ``task``."""
+    ``task``. Each run, and the import that asks what it covers, is
+    :func:`in_own_process`."""
     if block in ("robustness", "heldout", "state_dtype"):
         return []
-    sys.path.insert(0, HERE)
-    try:
-        import kfac_jax_baseline
-    except ImportError as err:
-        print(f"kfac-jax not run: {err}")
+    models = in_own_process(_kfac_jax_models)
+    if isinstance(models, str):
+        print(f"kfac-jax not run: {models}")
         return []
-    if task not in kfac_jax_baseline.MODELS:
+    if task not in models:
         print(f"kfac-jax not run: kfac_jax_baseline has no {task!r} model")
         return []
     if block == "tuned" and task not in KFAC_JAX_GRIDS:
@@ -765,12 +794,12 @@ def kfac_jax_runs(task, target, block="tuned"):
         return []
     if block == "defaults":
         return [("adaptive", {}, lambda data, initial, epochs, batch, seed:
-                 kfac_jax_baseline.train_kfac_jax(task, data, initial, epochs, batch, seed,
-                                                  adaptive=True, target=target))]
+                 in_own_process(_train_kfac_jax, task, data, initial, epochs, batch, seed,
+                                adaptive=True, target=target))]
     return [(f"lr={lr} damping={damping}", {"lr": lr, "damping": damping},
              lambda data, initial, epochs, batch, seed, lr=lr, damping=damping:
-             kfac_jax_baseline.train_kfac_jax(task, data, initial, epochs, batch, seed,
-                                              learning_rate=lr, damping=damping, target=target))
+             in_own_process(_train_kfac_jax, task, data, initial, epochs, batch, seed,
+                            learning_rate=lr, damping=damping, target=target))
             for lr, damping in grid_settings(KFAC_JAX_GRIDS[task])]
 
 

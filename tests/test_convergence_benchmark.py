@@ -451,11 +451,17 @@ def test_kfac_jax_runs_in_its_adaptive_mode_in_the_defaults_block(monkeypatch):
     calls = []
     fake = types.SimpleNamespace(MODELS=("mlp",), train_kfac_jax=lambda *a, **kw: calls.append(kw))
     monkeypatch.setitem(sys.modules, "kfac_jax_baseline", fake)
+    monkeypatch.setattr(convergence, "in_own_process", lambda function, *a, **kw: function(*a, **kw))
     (label, params, train), = convergence.kfac_jax_runs("mlp", 0.97, "defaults")
     train(None, None, 1, 64, 0)
     assert (label, params) == ("adaptive", {}) and calls == [{"adaptive": True, "target": 0.97}]
     assert convergence.kfac_jax_runs("mlp", 0.97, "robustness") == []
     assert convergence.kfac_jax_runs("charlm", 2.0, "defaults") == []   # no JAX model
+
+
+def test_in_own_process_returns_what_another_process_computed():
+    assert convergence.in_own_process(os.getpid) != os.getpid()
+    assert convergence.in_own_process(math.hypot, 3.0, 4.0) == 5.0
 
 
 @pytest.fixture

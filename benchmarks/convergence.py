@@ -747,9 +747,9 @@ def to_target(history, target, metric="val_accuracy"):
 
 def in_own_process(function, *args, **kwargs):
     """``function(*args, **kwargs)`` in a new Python process, started afresh (spawned), its
-    result returned here. kfac-jax runs there: in this process, importing it (jax, with
-    TensorFlow Probability and tf-keras) and running it left the Keras runs after it 10-20%
-    slower, THOR's and Muon's alike."""
+    result returned here. kfac-jax runs there: run in this process, it (its import, with
+    TensorFlow Probability and tf-keras, and its training) left the Keras runs after it
+    20-30% slower, THOR's and Muon's alike."""
     context = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=context) as pool:
         return pool.submit(function, *args, **kwargs).result()

@@ -756,7 +756,8 @@ def in_own_process(function, *args, **kwargs):
 
 
 def _kfac_jax_baseline():
-    sys.path.insert(0, HERE)
+    if HERE not in sys.path:
+        sys.path.insert(0, HERE)
     import kfac_jax_baseline
     return kfac_jax_baseline
 
@@ -778,7 +779,7 @@ def kfac_jax_runs(task, target, block="tuned"):
     ``block`` (its grid; its adaptive mode as the default; none for robustness, where its
     adaptive mode has no learning rate to scale, or heldout, which re-runs THOR and the
     first-order optimizers), or [] when kfac_jax is not importable or does not cover
-    ``task``. Each run, and the import that asks what it covers, is
+    ``task``. Each run, and the import that finds what it covers, runs
     :func:`in_own_process`."""
     if block in ("robustness", "heldout", "state_dtype"):
         return []

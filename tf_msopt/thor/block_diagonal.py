@@ -16,7 +16,7 @@ from tf_msopt.ops.inverse import damped_inverse_with_retry, retry_damping
 
 __all__ = ["BlockLayout", "basis_drift", "count_true", "covariance_blocks", "joined",
            "per_block", "robust_eigenvectors", "robust_inverse", "robust_inverses",
-           "left_multiply", "right_multiply", "robust_reciprocal"]
+           "left_multiply", "right_multiply", "robust_reciprocal", "unjoined"]
 
 
 class BlockLayout(NamedTuple):
@@ -77,6 +77,12 @@ def _unstack(blocks, layout):
 def joined(tensors, axis=0):
     """``tensors`` concatenated along ``axis``; a single one as it is (no op in the trace)."""
     return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=axis)
+
+
+def unjoined(tensor, counts):
+    """:func:`joined` (along axis 0) undone: ``tensor`` split into parts of ``counts`` rows;
+    a single part as it is."""
+    return [tensor] if len(counts) == 1 else tf.split(tensor, counts)
 
 
 # One plain matmul per block: on CPU a batched matmul costs more per call at THOR's small
@@ -166,8 +172,8 @@ def _robust_inverse_group(factors, use):
     used = per_block(tf.stack(use), counts)
     inverses = tf.where(tf.reshape(ok & used, [-1, 1, 1]), inverses,
                         joined([previous for _, _, previous in factors]))
-    split = [inverses] if len(factors) == 1 else tf.split(inverses, counts)
-    return split, count_true(retried & used), count_true(used & tf.logical_not(ok))
+    return (unjoined(inverses, counts), count_true(retried & used),
+            count_true(used & tf.logical_not(ok)))
 
 
 def robust_eigenvectors(statistics, layout, previous, use=True):

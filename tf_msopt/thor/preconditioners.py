@@ -9,7 +9,7 @@ default's; another is one more class in :data:`PRECONDITIONERS`.
 import tensorflow as tf
 
 from tf_msopt.thor.block_diagonal import (basis_drift, count_true, joined, per_block,
-                                          robust_eigenvectors, robust_inverses)
+                                          robust_eigenvectors, robust_inverses, unjoined)
 from tf_msopt.thor.curvature_base import Preconditioning
 from tf_msopt.thor.grafting import adam_step, second_moment
 
@@ -226,6 +226,7 @@ class EigenbasisPreconditioner:
         for members in groups.values():
             layouts, variables, statistics, used, filling = zip(*members)
             layout = layouts[0]
+            counts = [layout.count] * len(members)
             statistics = joined(statistics)
             previous = joined([tf.convert_to_tensor(v) for v in variables])
             decompose = tf.stack(used)
@@ -236,7 +237,7 @@ class EigenbasisPreconditioner:
                 if layout.count > 1:
                     moved = tf.reduce_any(tf.reshape(moved, [len(members), -1]), axis=1)
                 decompose &= tf.stack(filling) | moved
-            use = per_block(decompose, [layout.count] * len(members))
+            use = per_block(decompose, counts)
             decomposed.append(decompose)
             if layout.size <= UNCONDITIONAL_SIZE:
                 vectors, failed = robust_eigenvectors(statistics, layout, previous, use)
@@ -246,8 +247,7 @@ class EigenbasisPreconditioner:
                     lambda s=statistics, l=layout, p=previous, u=use: robust_eigenvectors(
                         s, l, p, u),
                     lambda p=previous: (p, tf.zeros(p.shape[:1], tf.bool)))
-            parts = [vectors] if len(variables) == 1 else tf.split(vectors, len(variables))
-            for variable, part in zip(variables, parts):
+            for variable, part in zip(variables, unjoined(vectors, counts)):
                 assign(variable, part)
             kept.append(failed)
         return None, count_true(joined(kept)), tf.reduce_any(joined(decomposed))

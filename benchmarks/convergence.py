@@ -92,6 +92,7 @@ can, by 10-20%) moves their seconds apart; the rounds share the drift.
 """
 import argparse
 import concurrent.futures
+import functools
 import inspect
 import json
 import math
@@ -770,6 +771,12 @@ def _kfac_jax_models():
         return str(err)
 
 
+@functools.cache
+def kfac_jax_models():
+    """:func:`_kfac_jax_models`, asked once, :func:`in_own_process`."""
+    return in_own_process(_kfac_jax_models)
+
+
 def _train_kfac_jax(*args, **kwargs):
     return _kfac_jax_baseline().train_kfac_jax(*args, **kwargs)
 
@@ -783,7 +790,7 @@ def kfac_jax_runs(task, target, block="tuned"):
     :func:`in_own_process`."""
     if block in ("robustness", "heldout", "state_dtype"):
         return []
-    models = in_own_process(_kfac_jax_models)
+    models = kfac_jax_models()
     if isinstance(models, str):
         print(f"kfac-jax not run: {models}")
         return []

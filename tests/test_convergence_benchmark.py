@@ -447,16 +447,25 @@ def test_defaults_block_is_each_optimizer_at_its_documented_default(default_thor
                         default_thor.DEFAULTS["learning_rate"], rel_tol=1e-6)
 
 
-def test_kfac_jax_runs_in_its_adaptive_mode_in_the_defaults_block(monkeypatch):
+def test_kfac_jax_runs_in_its_adaptive_mode_in_the_defaults_block(monkeypatch, request):
     calls = []
     fake = types.SimpleNamespace(MODELS=("mlp",), train_kfac_jax=lambda *a, **kw: calls.append(kw))
     monkeypatch.setitem(sys.modules, "kfac_jax_baseline", fake)
-    monkeypatch.setattr(convergence, "in_own_process", lambda function, *a, **kw: function(*a, **kw))
+    spawned = []
+
+    def in_this_process(function, *a, **kw):
+        spawned.append(function.__name__)
+        return function(*a, **kw)
+
+    monkeypatch.setattr(convergence, "in_own_process", in_this_process)
+    convergence.kfac_jax_models.cache_clear()   # asked again, of the fake
+    request.addfinalizer(convergence.kfac_jax_models.cache_clear)
     (label, params, train), = convergence.kfac_jax_runs("mlp", 0.97, "defaults")
     train(None, None, 1, 64, 0)
     assert (label, params) == ("adaptive", {}) and calls == [{"adaptive": True, "target": 0.97}]
     assert convergence.kfac_jax_runs("mlp", 0.97, "robustness") == []
     assert convergence.kfac_jax_runs("charlm", 2.0, "defaults") == []   # no JAX model
+    assert spawned == ["_kfac_jax_models", "_train_kfac_jax"]   # what it covers: asked once
 
 
 def test_in_own_process_returns_what_another_process_computed():

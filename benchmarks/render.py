@@ -62,7 +62,10 @@ def _machine_text(payload):
     m = payload.get("machine") or {}
     if not isinstance(m, dict):
         return str(m)
-    return (f"{m.get('cpus')}-core {m.get('cpu')}, TensorFlow {m.get('tensorflow')}"
+    # Files from before the CPU model was recorded name their machines in the note.
+    cpu = (f"{m.get('cpus')}-core {m['cpu']}" if m.get("cpu")
+           else payload.get("note", "machine not recorded"))
+    return (f"{cpu}, TensorFlow {m.get('tensorflow')}"
             + (", oneDNN's kernels off" if m.get("onednn") is False else ""))
 
 

@@ -183,6 +183,14 @@ def test_machine_line_names_each_machine_after_its_files():
         "AVX-512, TensorFlow 2.21.0.\n")
 
 
+def test_machine_line_takes_the_note_where_no_cpu_was_recorded():
+    payload = {"note": "THOR on a 2-core Intel Xeon; Adam on a 2-core AMD EPYC",
+               "machine": {"cpus": 2, "processor": "x86_64", "tensorflow": "2.21.0"}}
+    assert render.machine_line(payload, files=["x.json"]) == (
+        "\nFrom `benchmarks/results/x.json`; THOR on a 2-core Intel Xeon; Adam on a 2-core AMD "
+        "EPYC, TensorFlow 2.21.0.\n")
+
+
 def test_every_benchmark_offers_out():
     folder = os.path.join(REPO_ROOT, "benchmarks")
     scripts = [name for name in os.listdir(folder) if name.endswith(".py")

@@ -49,7 +49,7 @@ import sys
 
 import numpy as np
 
-from timing import emit, machine, time_cases
+from timing import emit, machine, time_cases, traced_without_custom_ops
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -175,7 +175,6 @@ if THREADS:
     tf.config.threading.set_inter_op_parallelism_threads(THREADS)
 
 import tf_msopt as mso  # noqa: E402
-from tf_msopt.ops import _loader  # noqa: E402
 from tf_msopt.ops.adam import adam_offload_steps, host_step_bytes  # noqa: E402
 
 #: The in-place AdamOffload cases by state_dtype, and what each must reach against
@@ -191,17 +190,7 @@ def keras_case(make_optimizer, values, grads, device="/CPU:0", pure_tf=False):
     optimizer = make_optimizer()
     optimizer.build(variables)
     step = tf.function(lambda: optimizer.apply(grad_tensors, variables))
-    previous = os.environ.get(_loader.DISABLE_ENV)
-    if pure_tf:  # the op is chosen when the step is traced
-        os.environ[_loader.DISABLE_ENV] = "1"
-    try:
-        step.get_concrete_function()
-    finally:
-        if previous is None:
-            os.environ.pop(_loader.DISABLE_ENV, None)
-        else:
-            os.environ[_loader.DISABLE_ENV] = previous
-    return step
+    return traced_without_custom_ops(step) if pure_tf else step
 
 
 def host_kernel_case(values, grads):

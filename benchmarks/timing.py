@@ -4,6 +4,17 @@ import os
 import platform
 import statistics
 import time
+from unittest import mock
+
+
+def traced_without_custom_ops(step):
+    """``step`` (a ``tf.function``) traced with the custom ops switched off: the op is chosen
+    when the step is traced, so its later calls run the pure-TensorFlow path."""
+    from tf_msopt.ops import _loader
+
+    with mock.patch.dict(os.environ, {_loader.DISABLE_ENV: "1"}):
+        step.get_concrete_function()
+    return step
 
 
 def balanced_orders(count):

@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
-from timing import emit, machine, time_cases  # noqa: E402
+from timing import emit, machine, time_cases, traced_without_custom_ops  # noqa: E402
 
 
 def make_problem(params, variables):
@@ -50,18 +50,7 @@ def raw_momentum_case(values, grads):
 
 def pure_tf_case(make_optimizer, values, grads):
     """A case traced with the custom ops switched off (the op is chosen at tracing)."""
-    from tf_msopt.ops import _loader
-    step = keras_case(make_optimizer, values, grads)
-    previous = os.environ.get(_loader.DISABLE_ENV)
-    os.environ[_loader.DISABLE_ENV] = "1"
-    try:
-        step.get_concrete_function()
-    finally:
-        if previous is None:
-            os.environ.pop(_loader.DISABLE_ENV, None)
-        else:
-            os.environ[_loader.DISABLE_ENV] = previous
-    return step
+    return traced_without_custom_ops(keras_case(make_optimizer, values, grads))
 
 
 def tf_kernel(optimizer):

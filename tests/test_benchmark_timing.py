@@ -1,6 +1,7 @@
 """The benchmarks' shared interleaved timing (every case timed, in balanced orders) and the
 machine their results name."""
 import itertools
+import os
 
 import pytest
 
@@ -38,6 +39,29 @@ def test_idle_time_before_each_call_is_not_timed():
     medians = timing.time_cases(steps, rounds=2, calls_per_round=3, warmup=0, idle=0.02)
     assert sorted(calls) == list("aaaaaabbbbbb")
     assert all(seconds < 0.01 for seconds in medians.values())  # the 20 ms sleeps excluded
+
+
+@pytest.mark.parametrize("before", [None, "0"])
+def test_a_case_is_traced_with_the_custom_ops_off_and_the_switch_put_back(monkeypatch, before):
+    import tensorflow as tf
+
+    from tf_msopt.ops._loader import DISABLE_ENV
+
+    if before is None:
+        monkeypatch.delenv(DISABLE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(DISABLE_ENV, before)
+    seen = []
+
+    @tf.function
+    def step():
+        seen.append(os.environ.get(DISABLE_ENV))
+        return tf.constant(1.0)
+
+    assert timing.traced_without_custom_ops(step) is step
+    assert seen == ["1"]
+    assert step().numpy() == 1.0 and seen == ["1"]   # called later: not traced again
+    assert os.environ.get(DISABLE_ENV) == before
 
 
 @pytest.mark.parametrize("model, family, flags, cpu", [

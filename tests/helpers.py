@@ -29,6 +29,20 @@ def two_cpu_mirrored_strategy():
     return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
 
 
+def use_backend(monkeypatch, backend, kernel, source):
+    """Selects the compiled op ``kernel`` ("kernel", which must be loaded: ``source`` is the
+    file in custom_ops/ that defines it) or the pure-TF path ("pure_tf")."""
+    from tf_msopt.ops import _loader
+
+    if backend == "pure_tf":
+        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
+        return
+    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
+    assert hasattr(_loader.load_custom_ops(), kernel), (
+        f"{kernel} is not loaded ({_loader.custom_ops_status()}; a library built before "
+        f"custom_ops/{source} existed lacks it: rebuild with setup.py)")
+
+
 def benchmark_module(name):
     """``benchmarks/<name>.py`` imported as a module (the folder is not a package), with the
     folder on ``sys.path`` as when it runs as a script (benchmarks import ``timing``)."""

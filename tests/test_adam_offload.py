@@ -3,6 +3,7 @@ groups, arguments. Training, placement, distribution and saving: test_adam_offlo
 import contextlib
 import functools
 
+import helpers
 import keras
 import numpy as np
 import pytest
@@ -13,15 +14,8 @@ from tf_msopt.ops import _loader
 from tf_msopt.ops.adam import adam_offload_step, adam_offload_steps
 
 
-def use_backend(monkeypatch, backend):
-    """Selects the compiled kernel ("kernel") or the pure-TF path ("pure_tf")."""
-    if backend == "pure_tf":
-        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
-        return
-    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
-    assert hasattr(_loader.load_custom_ops(), "ms_opt_adam_offload_deltas"), (
-        f"the AdamOffload kernel is not loaded ({mso.ops.custom_ops_status()}; a library "
-        f"built before custom_ops/adam_offload.cc existed lacks it: rebuild with setup.py)")
+use_backend = functools.partial(helpers.use_backend, kernel="ms_opt_adam_offload_deltas",
+                                source="adam_offload.cc")
 
 
 #: Instruction sets the kernels' loops can be capped to (TF_MSOPT_ADAM_ISA; "best": uncapped,

@@ -1,23 +1,19 @@
 """LARS + SGD-momentum update (tf_msopt/ops/lars.py): kernel, pure-TF path, NumPy formula."""
+import functools
+
+import helpers
 import keras
 import numpy as np
 import pytest
 import tensorflow as tf
+from test_lars import lars_reference
 
 import tf_msopt as mso
-from tf_msopt.ops import _loader
 from tf_msopt.ops.lars import _kernel, apply_lars_momentum, lars_gradient, lars_momentum_kernel
 
 
-def use_backend(monkeypatch, backend):
-    """Selects the compiled kernel ("kernel") or the pure-TF path ("pure_tf")."""
-    if backend == "pure_tf":
-        monkeypatch.setenv(_loader.DISABLE_ENV, "1")
-        return
-    monkeypatch.delenv(_loader.DISABLE_ENV, raising=False)
-    assert hasattr(_loader.load_custom_ops(), "ms_opt_resource_apply_lars_momentum"), (
-        f"the LARS kernel is not loaded ({mso.ops.custom_ops_status()}; a library built "
-        f"before custom_ops/lars_ops.cc existed lacks it: rebuild with setup.py)")
+use_backend = functools.partial(helpers.use_backend,
+                                kernel="ms_opt_resource_apply_lars_momentum", source="lars_ops.cc")
 
 
 @pytest.fixture(params=["kernel", "pure_tf"])
@@ -29,14 +25,8 @@ def backend(request, monkeypatch):
 def numpy_lars_momentum(w, a, g, lr, momentum, weight_decay, coefficient, epsilon, use_clip,
                         use_nesterov):
     """MindSpore's LARS with Keras SGD's momentum step, in float64."""
-    w, a, g = (np.asarray(x, np.float64) for x in (w, a, g))
-    w_norm, g_norm = np.linalg.norm(w), np.linalg.norm(g)
-    trust = coefficient * w_norm / (weight_decay * w_norm + g_norm + epsilon)
-    if use_clip:
-        trust = np.clip(trust / lr, 0.0, 1.0)
-    if w_norm == 0 or g_norm == 0:
-        trust = 1.0
-    step = trust * lr * (g + weight_decay * w)
+    w, a = np.asarray(w, np.float64), np.asarray(a, np.float64)
+    step = lr * lars_reference(w, g, weight_decay, lr, coefficient, epsilon, use_clip)
     a = momentum * a - step
     w = w + (momentum * a - step if use_nesterov else a)
     return w, a

@@ -13,6 +13,7 @@ test``'s kill-switch pass runs only those.
 import contextlib
 import functools
 import json
+import pickle
 import re
 from unittest import mock
 
@@ -458,20 +459,34 @@ def test_use_ema(case):
     assert_same(C.weights(model), average, rtol=1e-6, atol=1e-7)
 
 
-@case
-def test_gradient_accumulation_steps(case):
-    rng = np.random.default_rng(0)
+def random_gradients(steps, seed=0):
+    """``steps`` lists of gradients, one per variable of :func:`cases.mlp`."""
+    rng = np.random.default_rng(seed)
     shapes = [v.shape for v in C.mlp().trainable_variables]
-    grads = [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(4)]
+    return [[rng.normal(size=s).astype("float32") for s in shapes] for _ in range(steps)]
+
+
+def apply_scaled(optimizer, grads, variables, unscaled=()):
+    """``optimizer.apply`` of ``grads`` times the current loss scale, then ``unscaled``."""
+    scale = C.current_scale(optimizer)
+    optimizer.apply([tf.constant(g * scale) for g in grads] + [tf.constant(g) for g in unscaled],
+                    variables)
+
+
+@case
+@pytest.mark.parametrize("decay", [{}, {"weight_decay": 0.05}], ids=["", "weight_decay"])
+def test_gradient_accumulation_steps(case, decay):
+    """As in Keras: a cycle of accumulated steps is one step on their mean gradient, weight
+    decay included (applied once per update)."""
+    grads = random_gradients(4)
     averaged = [[(a + b) / np.float32(2) for a, b in zip(grads[i], grads[i + 1])]
                 for i in (0, 2)]
 
     def run(steps, **kwargs):
         model = C.mlp()
-        optimizer = C.make(case, model, **kwargs)
+        optimizer = C.make(case, model, **decay, **kwargs)
         for step in steps:
-            scale = C.current_scale(optimizer)
-            optimizer.apply([tf.constant(g * scale) for g in step], model.trainable_variables)
+            apply_scaled(optimizer, step, model.trainable_variables)
         return C.weights(model), int(optimizer.iterations.numpy())
 
     got, got_iterations = run(grads, gradient_accumulation_steps=2)
@@ -545,3 +560,144 @@ def test_empty_gradient_list_is_a_no_op(case):
     assert_same(C.weights(model), before[0], rtol=0, atol=0)
     assert_same([np.array(v) for v in optimizer.variables], before[1], rtol=0, atol=0)
     assert int(optimizer.iterations.numpy()) == 1
+
+
+# --------------------------------------------------------------------------- Keras' own checks
+# What keras/src/optimizers/optimizer_test.py asks of every Keras optimizer.
+
+@pytest.mark.parametrize("case", CONFIG_PARAMS)
+def test_pickle_round_trips_the_config(case):
+    model = C.mlp()
+    optimizer = C.make(case, model, weight_decay=0.01)
+    clone = pickle.loads(pickle.dumps(optimizer))
+    assert type(clone) is type(optimizer)
+    assert clone.get_config() == optimizer.get_config()
+
+
+@pytest.mark.parametrize("case", CONFIG_PARAMS)
+def test_a_schedule_set_as_learning_rate_replaces_its_variable(case):
+    model = C.mlp()
+    optimizer = C.make(case, model)
+    C.train(model, optimizer, 1)
+    count = len(optimizer.variables)
+    rate = float(np.asarray(optimizer.learning_rate))
+    optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(rate, 1, 0.5)
+    assert len(optimizer.variables) == count - 1
+    np.testing.assert_allclose(float(np.asarray(optimizer.learning_rate)), rate / 2, rtol=1e-6)
+
+
+@case
+def test_callable_learning_rate_equals_its_value(case):
+    model = C.mlp()
+    optimizer = C.make(case, model)
+    rate = float(np.asarray(optimizer.learning_rate))
+    optimizer.learning_rate = lambda: rate
+    got = C.train(model, optimizer, STEPS)
+    assert_same(got[-1], plain_trace(case)[-1], rtol=0, atol=0)
+
+
+@case
+def test_constraints_apply_after_each_step(case):
+    """A variable's ``constraint`` projects it after every update, as doing so by hand does."""
+    def run(by_hand):
+        model = C.mlp()
+        kernel = model.get_layer("fc1").kernel
+        if not by_hand:
+            kernel.constraint = keras.constraints.NonNeg()
+        optimizer = C.make(case, model)
+        for x, y in C.batches(STEPS):
+            C.loop_step(model, optimizer, x, y)
+            if by_hand:
+                kernel.assign(tf.maximum(kernel, 0.0))
+        return C.weights(model)
+
+    got = run(by_hand=False)
+    assert (got[0] == 0).any()   # the constraint cut entries that the step left negative
+    assert_same(got, run(by_hand=True), rtol=0, atol=0)
+
+
+@case
+@pytest.mark.parametrize("accumulation", [None, 2])
+def test_overwrite_with_gradient_sets_the_variable_as_keras_does(case, accumulation):
+    """A variable flagged ``overwrite_with_gradient`` (float8 training's scales) takes its
+    "gradient", which no loss scale multiplies, as its value when and as Keras' SGD (inside
+    Keras' LossScaleOptimizer for a loss-scaled case) does; the other variables step as
+    without it."""
+    kwargs = {} if accumulation is None else {"gradient_accumulation_steps": accumulation}
+    steps = 2 * (accumulation or 1)
+    grads = random_gradients(steps)
+    values = np.random.default_rng(1).normal(size=(steps, 2, 2)).astype("float32")
+
+    def run(optimizer, variables, flagged=None):
+        trace = []
+        for step in range(steps):
+            if variables == [flagged]:   # Keras' reference
+                optimizer.apply([tf.constant(values[step])], variables)
+            else:
+                apply_scaled(optimizer, grads[step], variables,
+                             [] if flagged is None else [values[step]])
+            trace.append(np.array(flagged) if flagged is not None else None)
+        return trace
+
+    def flagged_variable():
+        variable = keras.Variable(np.zeros((2, 2), "float32"))
+        variable.overwrite_with_gradient = True
+        return variable
+
+    model, flagged = C.mlp(), flagged_variable()
+    got = run(C.make(case, model, **kwargs), model.trainable_variables + [flagged], flagged)
+    plain_model = C.mlp()
+    run(C.make(case, plain_model, **kwargs), plain_model.trainable_variables)
+    reference = keras.optimizers.SGD(0.1, **kwargs)
+    if C.is_loss_scaled(case):
+        reference = keras.optimizers.LossScaleOptimizer(reference, C.INITIAL_SCALE, 2)
+    keras_flagged = flagged_variable()
+    want = run(reference, [keras_flagged], keras_flagged)
+    assert_same(C.weights(model), C.weights(plain_model), rtol=0, atol=0)
+    assert_same(got, want, rtol=0, atol=0)
+    if accumulation is None:
+        assert_same(got, values, rtol=0, atol=0)
+    else:   # held through a cycle, set at its end
+        assert not got[0].any() and got[1].any()
+
+
+@case
+def test_a_missing_gradient_warns_and_the_other_variables_step(case):
+    """As Keras' optimizers: a variable whose gradient is None is named in a warning and
+    left as it is; the others step as if it had not been passed."""
+    def run(drop_head_bias):
+        model = C.mlp()
+        optimizer = C.make(case, model)
+        optimizer.build(model.trainable_variables)
+        variables = model.trainable_variables
+        for step in random_gradients(STEPS):
+            if drop_head_bias:
+                apply_scaled(optimizer, step[:-1], variables[:-1])
+            else:
+                step = [tf.constant(g * C.current_scale(optimizer)) for g in step[:-1]]
+                optimizer.apply(step + [None], variables)
+        return C.weights(model), int(optimizer.iterations.numpy())
+
+    with pytest.warns(UserWarning, match=r"Gradients do not exist for variables \['.*head/bias"):
+        got, iterations = run(drop_head_bias=False)
+    want, want_iterations = run(drop_head_bias=True)
+    assert iterations == want_iterations == STEPS
+    assert_same(got, want, rtol=0, atol=0)
+    np.testing.assert_array_equal(got[-1], C.weights(C.mlp())[-1])
+
+
+@case
+def test_loss_scale_factor_is_undone(case):
+    """Keras' fixed ``loss_scale_factor``: gradients of a loss scaled by ``scale_loss`` step
+    as unscaled ones. Inside a LossScaleOptimizer the wrapper's own scale replaces it, as in
+    Keras (which resets the inner optimizer's factor)."""
+    factor = 1024.0
+    model = C.mlp()
+    optimizer = C.make(case, model, loss_scale_factor=factor)
+    if C.is_loss_scaled(case):
+        assert innermost(optimizer).loss_scale_factor is None
+        assert float(optimizer.scale_loss(1.0)) == C.INITIAL_SCALE
+    else:
+        assert float(optimizer.scale_loss(1.0)) == factor
+    got = C.train(model, optimizer, STEPS)
+    assert_same(got[-1], plain_trace(case)[-1], rtol=1e-6, atol=1e-7)

@@ -459,6 +459,24 @@ def test_use_ema(case):
     assert_same(C.weights(model), average, rtol=1e-6, atol=1e-7)
 
 
+@case
+def test_ema_overwrite_frequency(case):
+    """With ``ema_overwrite_frequency=3`` the third update ends by writing the average into
+    the variables, as Keras' optimizers do."""
+    def run(**kwargs):
+        model = C.mlp()
+        return C.train(model, C.make(case, model, use_ema=True, ema_momentum=0.5, **kwargs), 3)
+
+    got, want = run(ema_overwrite_frequency=3), run()
+    average = want[0]
+    for step in want[1:]:
+        average = [0.5 * a + 0.5 * w for a, w in zip(average, step)]
+    for got_step, want_step in zip(got[:2], want[:2]):
+        assert_same(got_step, want_step, rtol=0, atol=0)
+    assert_same(got[2], average, rtol=1e-6, atol=1e-7)
+    assert_moved([got[2]], want[2])
+
+
 def random_gradients(steps, seed=0):
     """``steps`` lists of gradients, one per variable of :func:`cases.mlp`."""
     rng = np.random.default_rng(seed)

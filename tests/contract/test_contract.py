@@ -592,16 +592,29 @@ def test_pickle_round_trips_the_config(case):
     assert clone.get_config() == optimizer.get_config()
 
 
-@pytest.mark.parametrize("case", CONFIG_PARAMS)
+@case
 def test_a_schedule_set_as_learning_rate_replaces_its_variable(case):
-    model = C.mlp()
-    optimizer = C.make(case, model)
-    C.train(model, optimizer, 1)
-    count = len(optimizer.variables)
-    rate = float(np.asarray(optimizer.learning_rate))
-    optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(rate, 1, 0.5)
-    assert len(optimizer.variables) == count - 1
-    np.testing.assert_allclose(float(np.asarray(optimizer.learning_rate)), rate / 2, rtol=1e-6)
+    """Setting ``learning_rate`` to a schedule drops the rate's variable (Keras' check), and
+    the next step reads the schedule: as setting the variable to its value does."""
+    def run(set_rate):
+        model = C.mlp()
+        optimizer = C.make(case, model)
+        C.train(model, optimizer, 1)
+        count = len(optimizer.variables)
+        rate = float(np.asarray(optimizer.learning_rate))
+        set_rate(optimizer, rate)
+        x, y = C.batches(2)[1]
+        C.loop_step(model, optimizer, x, y)
+        return C.weights(model), count - len(optimizer.variables)
+
+    def schedule(optimizer, rate):   # rate / 2 at the second step
+        optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(rate, 1, 0.5)
+
+    got, dropped = run(schedule)
+    want, _ = run(lambda optimizer, rate: optimizer.learning_rate.assign(rate / 2))
+    assert dropped == 1
+    assert_same(got, want, rtol=1e-6, atol=1e-7)
+    assert_moved([got], plain_trace(case)[1])
 
 
 @case

@@ -609,6 +609,8 @@ def test_a_schedule_set_as_learning_rate_replaces_its_variable(case):
 
     def schedule(optimizer, rate):   # rate / 2 at the second step
         optimizer.learning_rate = keras.optimizers.schedules.ExponentialDecay(rate, 1, 0.5)
+        np.testing.assert_allclose(float(np.asarray(optimizer.learning_rate)), rate / 2,
+                                   rtol=1e-6)
 
     got, dropped = run(schedule)
     want, _ = run(lambda optimizer, rate: optimizer.learning_rate.assign(rate / 2))

@@ -1,5 +1,6 @@
-"""Renders the benchmark tables of docs/performance.md, docs/convergence.md, docs/thor.md,
-docs/thor_measurements.md and docs/adam_offload.md from benchmarks/results/.
+"""Renders the benchmark tables of docs/performance.md, docs/convergence.md,
+docs/thor_measurements.md and docs/adam_offload.md from benchmarks/results/, and docs/thor.md's
+table of THOR's options from their entries in the code.
 
 Each table sits between two marker comments in a page::
 
@@ -708,6 +709,13 @@ def render_thor_configurations(results):
     return table(["task", "configuration", "best setting", "median epochs (per seed)"], rows)
 
 
+def render_thor_arguments(results):
+    """THOR's options, from ``tf_msopt.thor.options.OPTIONS`` (no results file)."""
+    from tf_msopt.thor.options import arguments_table
+
+    return arguments_table()
+
+
 TABLES = {  # name: (renderer, the results files it reads)
     "roofline": (render_roofline, ["roofline.json"]),
     "update_step": (render_update_step, ["update_step.json"]),
@@ -738,6 +746,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "convergence_heldout": (render_convergence_heldout,
                             [results_file(task, "heldout") for task in ALL_TASKS]),
     "state_dtype": (render_state_dtype, [results_file("charlm", "state_dtype")]),
+    "thor_arguments": (render_thor_arguments, []),
 }
 OPTIONAL = sorted({results_file(task) for task in NEW_TASKS} | {LOWEST_LOSS_FILE}
                   | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})

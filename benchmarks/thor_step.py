@@ -192,8 +192,8 @@ class Case:
         from tf_msopt.ops.inverse import damped_inverse_with_status
 
         optimizer = self.optimizer
-        blocks = [block for block in optimizer._blocks if block.has_factors]
-        statistics = optimizer._connection.statistics
+        blocks = [block for block in optimizer._model_link.blocks if block.has_factors]
+        statistics = optimizer._model_link.connection.statistics
         previous = [(state.a_inverse, state.g_inverse)
                     for state in optimizer.curvature.values()]
         damping = tf.sqrt(0.03)

@@ -10,7 +10,7 @@ import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import REPO_ROOT
+from helpers import REPO_ROOT, benchmark_module
 
 import tf_msopt as mso
 
@@ -406,7 +406,7 @@ def test_compiling_with_another_optimizer_stops_the_capture():
         model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
 
     def a_statistics(optimizer):
-        return [statistics.a for statistics in optimizer._connection.statistics]
+        return [statistics.a for statistics in optimizer._model_link.connection.statistics]
 
     def cleared_statistics(optimizer):
         buffers = a_statistics(optimizer)
@@ -544,17 +544,11 @@ def test_the_default_trains():
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 
-# -- the Arguments table of docs/thor.md ------------------------------------------------------
+# -- the Arguments table of docs/thor.md, and each option written once ------------------------
 
-def _documented_arguments():
-    """``{argument: (default's cell, MindSpore's cell)}`` from docs/thor.md's table."""
+def _thor_page():
     with open(os.path.join(REPO_ROOT, "docs", "thor.md")) as f:
-        table = f.read().split("## Arguments\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
-    rows = {}
-    for line in table[2:]:
-        argument, default, mindspore, _ = (cell.strip() for cell in line.strip("|").split(" | "))
-        rows[argument] = (default, mindspore)
-    return rows
+        return f.read()
 
 
 def _documented_value(cell):
@@ -565,19 +559,74 @@ def _documented_value(cell):
 
 
 def test_docs_arguments_table_is_the_code():
-    """Every argument of ``mso.thor`` / ``THOR`` has a row, and both default columns are the
-    code's: :data:`DEFAULTS` over THOR's own defaults, and THOR's signature."""
-    rows = _documented_arguments()
+    """docs/thor.md's table holds what the code does: one row per option with the default
+    configuration's value (``tf_msopt.thor.DEFAULTS`` over MindSpore's) and MindSpore's
+    (THOR's own signature), then the rows of ``mso.thor``'s and Keras' own arguments."""
+    from tf_msopt.thor.options import arguments_table
+
+    page = _thor_page()
+    assert arguments_table() in page
     signature = inspect.signature(mso.THOR.__init__).parameters
-    arguments = [name for name in signature if name not in ("self", "layers", "name", "kwargs")]
-    assert set(rows) == {f"`{name}`" for name in ["model", "preset", *arguments]} | {
-        "`name`, Keras keywords"}
-    required = {"learning_rate", "damping", "momentum"}
-    for name in arguments:
-        default, mindspore = map(_documented_value, rows[f"`{name}`"])
-        want = None if name in required else signature[name].default
-        assert mindspore == want, name
-        assert default == mso.thor.DEFAULTS.get(name, want), name
+    table = page.split("<!-- render:thor_arguments -->\n", 1)[1].split("<!--", 1)[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        argument, default, mindspore, _ = (cell.strip() for cell in line.strip("|").split(" | "))
+        rows[argument.strip("`")] = tuple(map(_documented_value, (default, mindspore)))
+    options = [name for name in signature if name not in ("self", "layers", "name",
+                                                          "jit_compile", "kwargs")]
+    assert list(rows) == options
+    for name in options:
+        want = (None if signature[name].default is inspect.Parameter.empty
+                else signature[name].default)
+        assert rows[name] == (mso.thor.DEFAULTS.get(name, want), want), name
+    besides = page.split("`mso.thor` and Keras take these besides:\n\n", 1)[1]
+    assert [line.split(" | ")[0] for line in besides.split("\n\n")[0].splitlines()[2:]] == [
+        "| `model`", "| `preset`", "| `jit_compile`", "| `name`, Keras keywords"]
+
+
+def test_docs_arguments_table_fails_when_the_code_differs(monkeypatch):
+    """The table is rendered from the entries: where an entry's description, default or preset
+    differs from the page, rendering changes the page (which ``render.py --check`` reports)
+    and the test above fails."""
+    from tf_msopt.thor import options
+
+    render, page = benchmark_module("render"), _thor_page()
+    assert render.render_page(page) == page
+    for change in (dict(description="another meaning"), dict(default=0.5), dict(preset=0.1)):
+        changed = dataclasses.replace(options.OPTIONS[3], **change)
+        monkeypatch.setattr(options, "OPTIONS", (*options.OPTIONS[:3], changed,
+                                                *options.OPTIONS[4:]))
+        assert options.arguments_table() not in page
+        assert render.render_page(page) != page, change
+
+
+#: A toy option, added as one entry: a positive int that THOR keeps and writes to its config.
+def _toy_option():
+    from tf_msopt._validation import check_int
+    from tf_msopt.thor.options import Option
+
+    return Option("toy_steps", 3, lambda value, options: check_int(
+        value, "toy_steps", "THOR", min_value=1), "int >= 1: a toy option", preset=5)
+
+
+def test_a_toy_option_is_one_entry_end_to_end(monkeypatch):
+    """Adding an option is one entry of ``OPTIONS``: the constructor takes and checks it, the
+    config round-trips it, the default configuration and the docs table show it."""
+    from tf_msopt.thor import options
+
+    monkeypatch.setattr(options, "OPTIONS", (*options.OPTIONS, _toy_option()))
+    model = _classifier()
+    assert mso.thor(model, 0.1, 0.1, 0.9).options.toy_steps == 3      # MindSpore's default
+    assert options.default_configuration()["toy_steps"] == 5
+    optimizer = mso.thor(model, 0.1, 0.1, 0.9, toy_steps=7)
+    assert optimizer.options.toy_steps == 7 and optimizer.get_config()["toy_steps"] == 7
+    restored = mso.THOR.from_config(optimizer.get_config())
+    assert restored.options.toy_steps == 7 and restored.get_config() == optimizer.get_config()
+    for bad, error in ((0, ValueError), ("2", TypeError)):
+        with pytest.raises(error, match="'toy_steps'"):
+            mso.thor(model, 0.1, 0.1, 0.9, toy_steps=bad)
+    assert ("| `toy_steps` | `5` | `3` | int >= 1: a toy option |"
+            in options.arguments_table().splitlines())
 
 
 def test_docs_experimental_table_is_the_code():

@@ -42,7 +42,7 @@ def test_subsampled_statistics_equal_one_device(two_cpu_strategy):
     options = dict(statistics_decay=0.9, statistics_rows=18)
     single, optimizer = train(tf.distribute.get_strategy(), **options)
     rows = {buffer.block.layer: float(buffer.rows.numpy())
-            for buffer in optimizer._connection.statistics}
+            for buffer in optimizer._model_link.connection.statistics}
     assert rows["conv"] == 2 * 9 and rows["emb"] == 8 * 3
     keras.backend.clear_session()
     mirrored, _ = train(two_cpu_strategy, **options)

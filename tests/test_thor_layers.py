@@ -80,10 +80,10 @@ def test_wrappers_and_nested_models_are_walked_into():
         assert "LSTM kernel only" in report.first_order[layer.cell.bias.path]
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(24, 3, 5)).astype("float32"), rng.integers(0, 2, size=24)
-    before = [b.a.numpy().copy() for b in optimizer._connection.statistics]
+    before = [b.a.numpy().copy() for b in optimizer._model_link.connection.statistics]
     train_briefly(model, optimizer, x, y)
     # every treated layer's capture ran (TimeDistributed calls the inner layer's call)
-    for old, buffer in zip(before, optimizer._connection.statistics):
+    for old, buffer in zip(before, optimizer._model_link.connection.statistics):
         assert not np.array_equal(old, buffer.a.numpy())
 
 

@@ -713,7 +713,7 @@ def test_capture_records_however_the_backward_pass_runs(mode):
     head_kernel, head_bias = (w.numpy().astype(np.float64)
                               for w in model.get_layer("head").weights)
     delta = 2.0 * (hidden @ head_kernel + head_bias) * BATCH   # d loss / d output, x batch
-    fc1, head = optimizer._connection.statistics
+    fc1, head = optimizer._model_link.connection.statistics
     np.testing.assert_allclose(fc1.a.numpy()[0], x.T @ x, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(head.a.numpy()[0], hidden.T @ hidden, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(head.g.numpy()[0], delta.T @ delta, rtol=1e-5, atol=1e-3)
@@ -734,7 +734,7 @@ def test_padding_a_keras_mask_leaves_out_is_no_row(mode):
     optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, block_size=None)
     optimizer.build(model.trainable_variables)
     backward_pass(model, tokens.astype("int32"), mode)
-    statistics = {s.block.name: s for s in optimizer._connection.statistics}
+    statistics = {s.block.name: s for s in optimizer._model_link.connection.statistics}
     assert {name: float(s.rows.numpy()) for name, s in statistics.items()} == {
         "emb": tokens.size, "proj": keep.sum(), "head": keep.sum()}
     # the rows of the unmasked positions; the head's G from d sum(out^2) / d out = 2 out
@@ -767,7 +767,7 @@ def test_shared_layer_records_the_rows_of_every_call(mode):
     # d loss / d fc1's pre-activation in each call, x batch
     deltas = [(2.0 * out @ head_kernel[6 * i:6 * (i + 1)].T) * (1 - h ** 2) * BATCH
               for i, h in enumerate(hidden)]
-    shared, _ = optimizer._connection.statistics
+    shared, _ = optimizer._model_link.connection.statistics
     np.testing.assert_allclose(shared.a.numpy()[0], sum(side.T @ side for side in x),
                                rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(shared.g.numpy()[0], sum(d.T @ d for d in deltas),
@@ -782,4 +782,4 @@ def test_layer_norm_batch_recorded_however_the_backward_pass_runs(mode):
     optimizer = mso.thor(model, 0.1, 0.03, 0.9, frequency=2, batch_size=1)
     optimizer.build(model.trainable_variables)
     backward_pass(model, np.ones((BATCH, 5), "float32"), mode)
-    assert float(optimizer._connection.batch.numpy()) == BATCH
+    assert float(optimizer._model_link.connection.batch.numpy()) == BATCH

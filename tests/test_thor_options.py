@@ -252,7 +252,7 @@ def test_weight_sharing_expand_sums_g_over_each_examples_positions(fisher):
                       loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
         model.train_on_batch(x, y)
         captured[sharing] = ([(s.a.numpy(), s.g.numpy(), s.rows.numpy())
-                              for s in optimizer._connection.statistics],
+                              for s in optimizer._model_link.connection.statistics],
                              [v.numpy()[0] for v in curvature_variables(optimizer, "g_inverse")])
     positions = [10, 5, 4, 1]       # conv, per_step, emb, head
     for (a, g, rows), (a_mean, g_mean, rows_mean), (inverse, _), count in zip(
@@ -342,7 +342,7 @@ def sampled_statistics(model, x, kind, labels):
 def connected_statistics(optimizer):
     """The mean statistics THOR captured this step: ``[(A, G)]`` (one block each)."""
     return [(s.a.numpy()[0] / s.rows.numpy(), s.g.numpy()[0] / s.rows.numpy())
-            for s in optimizer._connection.statistics]
+            for s in optimizer._model_link.connection.statistics]
 
 
 SAMPLED_CASES = {
@@ -496,7 +496,7 @@ def test_non_finite_statistics_or_outputs_are_not_recorded():
         assert int(optimizer.iterations.numpy()) == steps
         for variable in optimizer.variables + model.weights:
             assert np.all(np.isfinite(variable.numpy())), variable.path
-        for statistics in optimizer._connection.statistics:
+        for statistics in optimizer._model_link.connection.statistics:
             for buffer in (statistics.a, statistics.g, statistics.rows):
                 assert np.all(np.isfinite(buffer.numpy()))
         keras.backend.clear_session(free_memory=False)
@@ -735,5 +735,5 @@ def test_statistics_rows_counts_every_channel_of_a_depthwise_layer():
     model.train_on_batch(rng.normal(size=(8, 6, 6, 3)).astype("float32"),
                          rng.normal(size=(8, 2)).astype("float32"))
     rows = {buffer.block.layer: float(buffer.rows.numpy())
-            for buffer in optimizer._connection.statistics}
+            for buffer in optimizer._model_link.connection.statistics}
     assert rows == {"depthwise": 8.0, "head": 8.0}

@@ -252,7 +252,7 @@ def test_statistics_only_on_thor_steps():
     model = mixed_model()
     optimizer = mso.thor(model, 0.05, 0.05, 0.9, frequency=2, block_size=4)
     model.compile(optimizer=optimizer, loss="mse")
-    buffers = optimizer._connection.statistics
+    buffers = optimizer._model_link.connection.statistics
     snapshot = lambda: [b.a.numpy().copy() for b in buffers]  # noqa: E731
     batches = [mixed_data(8, seed) for seed in range(3)]
     model.train_on_batch(*batches[0])                  # step 0: THOR
@@ -291,10 +291,10 @@ def test_mixed_float16_records_float32_statistics(fisher):
     finally:
         keras.config.set_dtype_policy("float32")
     rounded = x.astype(np.float16).astype(np.float64)
-    first = optimizer._connection.statistics[0]
+    first = optimizer._model_link.connection.statistics[0]
     assert first.a.dtype == "float32"
     np.testing.assert_allclose(first.a.numpy()[0], rounded.T @ rounded, rtol=1e-5, atol=1e-5)
-    assert float(first.rows.numpy()) == 8 and float(optimizer._connection.batch.numpy()) == 8
+    assert float(first.rows.numpy()) == 8 and float(optimizer._model_link.connection.batch.numpy()) == 8
     assert all(np.all(np.isfinite(w)) for w in model.get_weights())
 
 

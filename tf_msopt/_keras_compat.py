@@ -73,7 +73,7 @@ _INSTANCE_ATTRIBUTES = (
 )
 # (owner, method, a statement its source must hold: behaviour the package relies on)
 _STATEMENTS = (
-    # THOR learns that it is wrapped from this assignment (tf_msopt/thor/optimizer.py).
+    # Optimizer.wrapped_by_loss_scale_optimizer (below) learns of the wrapping from it.
     (keras.optimizers.LossScaleOptimizer, "__init__",
      "self.inner_optimizer.loss_scale_factor = None"),
 )
@@ -347,9 +347,27 @@ class Optimizer(keras.optimizers.Optimizer):
 
     Subclasses override :meth:`update_variables` (all variables of a step),
     :meth:`distributed_update` (the same, in cross-replica context), :meth:`decay_weights`
-    (decoupled weight decay) and :meth:`accumulate_gradients` (a step of gradient
-    accumulation that does not update) instead of Keras' private methods.
+    (decoupled weight decay), :meth:`accumulate_gradients` (a step of gradient
+    accumulation that does not update) and :meth:`wrapped_by_loss_scale_optimizer` instead
+    of Keras' private methods and behaviour.
     """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.__dict__["_compat_initialized"] = True
+
+    def __setattr__(self, name, value):
+        # Keras' LossScaleOptimizer turns its inner optimizer's own scaling off by assigning
+        # ``loss_scale_factor = None`` (a statement checked above); Keras' tracking skips an
+        # assignment of the value an attribute already holds, so it is seen here, before.
+        if (name == "loss_scale_factor" and value is None
+                and self.__dict__.get("_compat_initialized")):
+            self.wrapped_by_loss_scale_optimizer()
+        super().__setattr__(name, value)
+
+    def wrapped_by_loss_scale_optimizer(self):
+        """A ``keras.optimizers.LossScaleOptimizer`` has wrapped this optimizer: from now on
+        its gradients arrive unscaled. Nothing by default."""
 
     def _backend_update_step(self, grads, trainable_variables, learning_rate):
         return self.update_variables(grads, trainable_variables, learning_rate)

@@ -13,35 +13,37 @@ step only where it agrees in sign with the current direction); any argument give
 replaces its entry. Given MindSpore's ``learning_rate``, ``damping`` and ``momentum`` together (or
 ``preset="mindspore"``), it is MindSpore's THOR, with MindSpore's defaults for the rest.
 """
+import inspect
+
 from tf_msopt._validation import check_choice, type_name
 from tf_msopt.thor.experimental import split_experimental
 from tf_msopt.thor.model_link import check_model, wrapped_optimizers
 from tf_msopt.thor.optimizer import THOR
+from tf_msopt.thor.options import OPTIONS, SAME, default_configuration
 
 __all__ = ["DEFAULTS", "connect", "thor"]
 
 _OWNER = "THOR"
 
-#: The keyword arguments of ``tf_msopt.thor(model)``; any of them given replaces its entry:
+#: The keyword arguments of ``tf_msopt.thor(model)``, made from the options' entries
+#: (:data:`tf_msopt.thor.options.OPTIONS`); any of them given replaces its entry:
 #: ``tf_msopt.thor(model, learning_rate=0.01)``.
-DEFAULTS = {"learning_rate": 5e-3, "damping": None, "momentum": 0.9, "frequency": 10,
-            "graft": "adam", "preconditioner": "eigenbasis",
-            "statistics_decay": 0.95, "block_size": 1024, "kl_clip": 2e-3,
-            "eigenbasis_exponent": {"conv": 0.75, "recurrent": 0.6}, "eigenbasis_tolerance": 0.01,
-            "statistics_rows": 512, "cautious": "sequence"}
-_MINDSPORE = {"frequency": 100, "block_size": 128}
+DEFAULTS = default_configuration()
 _PRESETS = ("default", "mindspore")
+#: The arguments MindSpore's ``nn.thor`` takes by position after the model, in its order.
+_POSITIONAL = ("learning_rate", "damping", "momentum", "weight_decay", "loss_scale",
+               "batch_size", "use_nesterov", "decay_filter", "split_indices",
+               "enable_clip_grad", "frequency")
 
 
-def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.0,
-         loss_scale=1.0, batch_size=32, use_nesterov=False, decay_filter=None,
-         split_indices=None, enable_clip_grad=False, frequency=None, preset=None, **kwargs):
+def thor(model, *args, preset=None, **kwargs):
     """Creates a :class:`THOR` optimizer for ``model`` and connects it to the model's layers.
 
     ``thor(model)`` is the default configuration (:data:`DEFAULTS`); any argument given
     replaces its entry, one at a time (``thor(model, learning_rate=1e-2)``).
     ``thor(model, learning_rate, damping, momentum, ...)``, the three given together, is
-    MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given).
+    MindSpore's THOR (``frequency`` 100 and ``block_size`` 128 unless given), with
+    ``nn.thor``'s positional arguments after them.
     ``preset="default"`` or ``"mindspore"`` names the starting point instead: the default
     with all three replaced, or MindSpore's THOR, which then needs all three. The
     experimental options (:class:`~tf_msopt.thor.experimental.Experimental`) are taken by
@@ -57,8 +59,16 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
     ``nn.thor`` names and defaults, plus ``block_size``).
     """
     check_model(model)   # before the options: thor(1e-3, model) would fail on the rate
-    given = {"learning_rate": learning_rate, "damping": damping, "momentum": momentum}
-    missing = [name for name, value in given.items() if value is None]
+    if len(args) > len(_POSITIONAL):
+        raise TypeError(f"For '{_OWNER}', thor() takes the model and at most "
+                        f"{len(_POSITIONAL)} arguments by position, but got {len(args)}.")
+    for name, value in zip(_POSITIONAL, args):
+        if name in kwargs:
+            raise TypeError(f"For '{_OWNER}', thor() got the '{name}' twice.")
+        kwargs[name] = value
+    kwargs = {name: value for name, value in kwargs.items()
+              if value is not None or name not in _PRESET_DIFFERS}
+    missing = [name for name in ("learning_rate", "damping", "momentum") if name not in kwargs]
     if preset is None:
         preset = "default" if missing else "mindspore"
     check_choice(preset, "preset", _OWNER, _PRESETS)
@@ -69,14 +79,22 @@ def thor(model, learning_rate=None, damping=None, momentum=None, weight_decay=0.
             f"{', '.join(repr(name) for name in missing)} {'is' if len(missing) == 1 else 'are'}"
             f" missing.")
     kwargs, experimental = split_experimental(kwargs)
-    options = dict(weight_decay=weight_decay, loss_scale=loss_scale, batch_size=batch_size,
-                   experimental=experimental, use_nesterov=use_nesterov, decay_filter=decay_filter,
-                   split_indices=split_indices, enable_clip_grad=enable_clip_grad,
-                   **{name: value for name, value in given.items() if value is not None},
-                   **kwargs)
-    if frequency is not None:
-        options["frequency"] = frequency
-    return THOR(**{**(DEFAULTS if preset == "default" else _MINDSPORE), **options}).connect(model)
+    start = DEFAULTS if preset == "default" else {}
+    return THOR(**{**start, **kwargs, "experimental": experimental}).connect(model)
+
+
+#: The positional arguments whose None stands for the preset's value: those whose value the
+#: default configuration changes.
+_PRESET_DIFFERS = frozenset(option.name for option in OPTIONS
+                            if option.name in _POSITIONAL and option.preset is not SAME)
+
+thor.__signature__ = inspect.Signature([
+    inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+    *(inspect.Parameter(option.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                        default=None if option.name in _PRESET_DIFFERS else option.default)
+      for option in OPTIONS if option.name in _POSITIONAL),
+    inspect.Parameter("preset", inspect.Parameter.KEYWORD_ONLY, default=None),
+    inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD)])
 
 
 def connect(model):

@@ -1,5 +1,13 @@
-"""THOR's options: checked once when the optimizer is created, written once to its config."""
+"""THOR's options, each written once: :data:`OPTIONS` holds its name, MindSpore's default, the
+default configuration's value, its check and its line of docs/thor.md's table.
+
+Everything else is made from it: :class:`ThorOptions` (the checked values, ``optimizer.options``),
+the config, ``tf_msopt.thor.DEFAULTS`` (:func:`default_configuration`), the signature
+:class:`~tf_msopt.THOR` shows and the table (:func:`arguments_table`). Adding an option is one
+entry here plus its use.
+"""
 import dataclasses
+import inspect
 import random
 
 from tf_msopt._validation import (check_bool, check_choice, check_float, check_int,
@@ -10,13 +18,38 @@ from tf_msopt.thor.curvature_blocks import REGISTRY
 from tf_msopt.thor.experimental import Experimental
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
 
-__all__ = ["ThorOptions"]
+__all__ = ["OPTIONS", "Option", "ThorOptions", "arguments_table", "default_configuration"]
 
 _OWNER = "THOR"
-_DAMPING_MODES = ("sqrt", "relative")
-_GRAFTS = (None, "adam")
-_FISHERS = ("empirical", "sampled")
-_CAUTIOUS = (False, True, "sequence")
+#: The marker of an argument MindSpore's form needs (``learning_rate``, ``damping``, ``momentum``).
+REQUIRED = inspect.Parameter.empty
+#: The marker of an option the default configuration leaves at MindSpore's value.
+SAME = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    """One of THOR's options.
+
+    Attributes:
+        name: the keyword argument.
+        default: MindSpore's value (``THOR``'s own default), or :data:`REQUIRED`.
+        check: ``(value, options) -> value``: raises MindSpore's error type naming the
+            argument, else returns the value normalised; ``options`` holds the entries before
+            it. None: Keras' base class checks it (the learning rate).
+        description: its cell in docs/thor.md's table.
+        preset: its value in ``tf_msopt.thor(model)``, the default configuration.
+        none_means: what ``None`` stands for, shown beside it in the table.
+        serialize: ``value -> config value`` where the value is not written as it is.
+    """
+
+    name: str
+    default: object
+    check: object
+    description: str
+    preset: object = SAME
+    none_means: str = ""
+    serialize: object = None
 
 
 def _non_negative(value, arg, allow_int=True):
@@ -29,14 +62,23 @@ def _positive(value, arg):
                               low_inclusive=False)
 
 
-def _check_cautious(cautious):
+def _optional(check):
+    """``check`` for a value other than None."""
+    return lambda value, options: None if value is None else check(value, options)
+
+
+def _optional_int(arg):
+    return _optional(lambda value, options: check_int(value, arg, _OWNER, min_value=1))
+
+
+def _check_cautious(cautious, options):
     if not isinstance(cautious, (bool, str)):
         raise TypeError(f"For '{_OWNER}', the 'cautious' must be a bool or 'sequence', but got "
                         f"type '{type_name(cautious)}'.")
-    return check_choice(cautious, "cautious", _OWNER, _CAUTIOUS)
+    return check_choice(cautious, "cautious", _OWNER, (False, True, "sequence"))
 
 
-def _check_split_indices(split_indices):
+def _check_split_indices(split_indices, options):
     if split_indices is None:
         return None
     if not isinstance(split_indices, (list, tuple)) or not all(
@@ -53,22 +95,18 @@ def _check_split_indices(split_indices):
     return list(split_indices)
 
 
-def _check_statistics_frequency(statistics_frequency, decay, frequency):
-    """The experimental ``statistics_frequency`` needs a decay and must divide ``frequency``."""
-    if statistics_frequency is None:
-        return
-    if decay is None and statistics_frequency != frequency:
+def _check_graft(graft, options):
+    check_choice(graft, "graft", _OWNER, (None, "adam"))
+    if graft is not None and options["momentum"] >= 1.0:
         raise ValueError(
-            f"For '{_OWNER}', 'statistics_frequency' needs 'statistics_decay' (without a moving "
-            f"average, statistics are only used every 'frequency' steps), but got "
-            f"statistics_frequency={statistics_frequency} and statistics_decay=None.")
-    if frequency % statistics_frequency:
-        raise ValueError(
-            f"For '{_OWNER}', the 'statistics_frequency' must divide 'frequency' "
-            f"({frequency}), but got {statistics_frequency}.")
+            f"For '{_OWNER}', with graft={graft!r} the 'momentum' must be below 1: it "
+            f"averages the steps as Adam's beta_1 does, v = m*v + (1 - m)*d: at 1 no step "
+            f"moves anything and above 1 the steps grow without bound; but got "
+            f"{options['momentum']}.")
+    return graft
 
 
-def _check_exponent(exponent):
+def _check_exponent(exponent, options):
     """None, a number in (0, 1], or a dict of layer kinds to such numbers."""
     arg = "eigenbasis_exponent"
     if exponent is None:
@@ -91,111 +129,176 @@ def _check_exponent(exponent):
     return {kind: check(value, f"{arg}[{kind!r}]") for kind, value in exponent.items()}
 
 
-def _check_seed(seed, fisher):
-    if seed is None and fisher == "sampled":
+def _check_seed(seed, options):
+    if seed is None and options["fisher"] == "sampled":
         seed = random.SystemRandom().randrange(2**31)   # leaves Python's global state alone
     if seed is not None:
         seed = check_int(seed, "seed", _OWNER, min_value=0, max_value=2**64 - 1)
     return seed
 
 
-@dataclasses.dataclass(frozen=True)
+def _choice(arg, choices):
+    return lambda value, options: check_choice(value, arg, _OWNER, choices)
+
+
+def _flag(arg):
+    return lambda value, options: check_bool(value, arg, _OWNER)
+
+
+def _fraction(arg, **bounds):
+    return _optional(lambda value, options: check_number_range(
+        check_float(value, arg, _OWNER), arg, _OWNER, low=0.0, high=1.0, **bounds))
+
+
+#: THOR's options in the order of its signature.
+OPTIONS = (
+    Option("learning_rate", REQUIRED, None, "number, 0-D/1-D tensor or array (entry `i` at "
+           "step `i`), iterable, or `LearningRateSchedule`", preset=5e-3),
+    Option("damping", REQUIRED, _optional(
+        lambda value, options: resolve_learning_rate(value, _OWNER, arg="damping")),
+           "`lambda`, in the same forms; `mso.schedules.thor_damping` makes MindSpore's. "
+           "Needed where a step reads it: `preconditioner=\"inverse\"`, `graft=None` (the "
+           "LayerNorm rule) or the trace rule; a `ValueError` says which", preset=None,
+           none_means="no step reads one",
+           serialize=lambda value: None if value is None else serialize_step_value(
+               value, "the 'damping'", _OWNER)),
+    Option("momentum", REQUIRED,
+           lambda value, options: _non_negative(value, "momentum", allow_int=False),
+           "float >= 0; below 1 with `graft` (it averages the steps: `v = m*v + (1 - m)*d`)",
+           preset=0.9),
+    Option("weight_decay", 0.0, lambda value, options: _non_negative(value, "weight_decay"),
+           "float >= 0, added to the preconditioned gradient"),
+    Option("loss_scale", 1.0, lambda value, options: _positive(value, "loss_scale"),
+           "float > 0: the scale of the gradients THOR receives, when the loss was scaled by "
+           "hand"),
+    Option("batch_size", 32,
+           lambda value, options: check_int(value, "batch_size", _OWNER, min_value=1),
+           "global batch size, used only before the first batch is seen (LayerNorm rule)"),
+    Option("use_nesterov", False, _flag("use_nesterov"), "bool"),
+    Option("decay_filter", None,
+           lambda value, options: check_filter(value, "decay_filter", _OWNER),
+           "callable `f(keras.Variable) -> bool` (True: decay), or list of regular expressions "
+           "of variable paths to exclude", none_means="all variables",
+           serialize=lambda value: serialize_filter(value, "decay_filter", _OWNER)),
+    Option("split_indices", None, _check_split_indices,
+           "indices of preconditioned layers that close an all-reduce bucket"),
+    Option("enable_clip_grad", False, _flag("enable_clip_grad"),
+           "bool: clip each gradient to L2 norm 1"),
+    Option("frequency", 100,
+           lambda value, options: check_int(value, "frequency", _OWNER, min_value=2),
+           "int >= 2: steps between THOR steps", preset=10),
+    Option("block_size", 128, _optional_int("block_size"),
+           "int >= 1, or `None` for whole-factor inverses (not in MindSpore)", preset=1024),
+    Option("damping_mode", "sqrt", _choice("damping_mode", ("sqrt", "relative")),
+           "`\"sqrt\"`: `sqrt(lambda)` on both factors; `\"relative\"`: `sqrt(lambda)` times "
+           "each factor's mean eigenvalue (`lambda` in units of the factor's scale)"),
+    Option("statistics_decay", None, _fraction("statistics_decay", high_inclusive=False),
+           "float in [0, 1): bias-corrected moving averages of `A` and `G`", preset=0.95),
+    Option("fisher", "empirical", _choice("fisher", ("empirical", "sampled")),
+           "`\"sampled\"`: `G` from labels drawn from the model's own predictions"),
+    Option("kl_clip", None, _optional(lambda value, options: _positive(value, "kl_clip")),
+           "float > 0: scale the preconditioned step so its KL size stays below it",
+           preset=2e-3),
+    Option("seed", None, _check_seed, "int in [0, 2**64): seed of the sampled labels",
+           none_means="drawn, kept in the config"),
+    Option("graft", None, _check_graft,
+           "`\"adam\"`: each step's direction from THOR, its length from Adam (the default's, "
+           "see [Choosing a configuration](#choosing-a-configuration))", preset="adam"),
+    Option("preconditioner", "inverse",
+           lambda value, options: check_choice(value, "preconditioner", _OWNER,
+                                               tuple(PRECONDITIONERS)),
+           "`\"eigenbasis\"`: Adam in the eigenbasis of `A` and `G` (SOAP) instead of `A_inv g "
+           "G_inv` (see [Convergence options](#convergence-options))", preset="eigenbasis"),
+    Option("eigenbasis_exponent", None, _check_exponent,
+           "with `\"eigenbasis\"`: the power `e` of the rotated second moment that divides the "
+           "rotated gradient, a number in (0, 1] for every kernel or a dict of layer kinds "
+           "(`\"dense\"`, `\"einsum_dense\"`, `\"conv\"`, `\"conv_transpose\"`, "
+           "`\"grouped_conv\"`, `\"depthwise_conv\"`, `\"separable_depthwise\"`, "
+           "`\"separable_pointwise\"`, `\"embedding\"`, `\"recurrent\"`) to numbers, 1/2 for the "
+           "others; other than 1/2 the divisor is `(v_hat + 1e-2 mean(v_hat))^e` (1: EKFAC's "
+           "natural gradient)", preset={"conv": 0.75, "recurrent": 0.6}, none_means="1/2"),
+    Option("eigenbasis_tolerance", None,
+           _fraction("eigenbasis_tolerance", low_inclusive=False, high_inclusive=False),
+           "with `\"eigenbasis\"`: a float in (0, 1): a refresh keeps a factor's eigenvectors "
+           "`Q` while at most this share of the factor's squared Frobenius mass lies off the "
+           "diagonal of `Q^T P Q` in every block (with moving averages, once they have had `2 / "
+           "(1 - statistics_decay)` updates); `None` decomposes every factor at every refresh",
+           preset=0.01),
+    Option("max_rotated_dim", None, _optional_int("max_rotated_dim"),
+           "with `\"eigenbasis\"`: an int >= 1: a kernel's factor wider than this and than its "
+           "other factor is neither estimated nor rotated (the kernel is rotated on its "
+           "narrower side only)"),
+    Option("statistics_rows", None, _optional_int("statistics_rows"),
+           "an int >= 1: each layer's statistics from every `s`-th example of the batch, `s` "
+           "the largest stride that leaves at least this many rows (examples times the "
+           "positions where the kernel is applied); `None` uses every row", preset=512),
+    Option("cautious", False, _check_cautious,
+           "`True`: each variable steps only where its momentum step agrees in sign with this "
+           "step's direction; `\"sequence\"`: only the kernels of Dense and EinsumDense layers "
+           "applied at each position of a sequence do (see [Convergence "
+           "options](#convergence-options))", preset="sequence"),
+    Option("experimental", None, lambda value, options: Experimental.of(value),
+           "a `mso.thor.Experimental` (or its dict) of the [experimental "
+           "options](#experimental-options); `mso.thor` also takes each by name",
+           serialize=lambda value: value.get_config()),
+)
+
+
+def _check_combinations(options):
+    """The checks that read several options, after each option's own."""
+    experimental = options.experimental
+    given = experimental.statistics_frequency
+    if given is not None:
+        if options.statistics_decay is None and given != options.frequency:
+            raise ValueError(
+                f"For '{_OWNER}', 'statistics_frequency' needs 'statistics_decay' (without a "
+                f"moving average, statistics are only used every 'frequency' steps), but got "
+                f"statistics_frequency={given} and statistics_decay=None.")
+        if options.frequency % given:
+            raise ValueError(
+                f"For '{_OWNER}', the 'statistics_frequency' must divide 'frequency' "
+                f"({options.frequency}), but got {given}.")
+    if options.max_rotated_dim is not None and experimental.trace_thresholds is not None:
+        raise ValueError(
+            f"For '{_OWNER}', 'max_rotated_dim' leaves the factors it does not rotate "
+            f"unestimated, but the trace rule (trace_thresholds) reads every factor's "
+            f"trace; got max_rotated_dim={options.max_rotated_dim}.")
+    if experimental.pi_damping and options.damping_mode != "sqrt":
+        raise ValueError(f"For '{_OWNER}', 'pi_damping' splits damping_mode='sqrt' by the "
+                         f"factors' traces, but got damping_mode={options.damping_mode!r}.")
+    if options.damping is None and options.uses_damping:
+        raise ValueError(
+            f"For '{_OWNER}', the 'damping' is needed: {options.damping_reader()} reads it; "
+            f"give it, e.g. damping=0.1, damping_mode='relative'.")
+
+
 class ThorOptions:
-    """THOR's arguments other than the learning rate (see :class:`tf_msopt.THOR`, whose
-    signature holds their defaults), checked and normalised on creation: a bad argument raises MindSpore's error type naming it.
-    ``damping`` takes the forms of a learning rate and becomes a float or a schedule (or
-    stays None where no step reads it)."""
+    """THOR's options other than the learning rate, one attribute per entry of
+    :data:`OPTIONS`, checked and normalised on creation: a bad argument raises MindSpore's
+    error type naming it. ``damping`` becomes a float or a schedule (or stays None where no
+    step reads it)."""
 
-    damping: object
-    momentum: float
-    loss_scale: float
-    batch_size: int
-    use_nesterov: bool
-    decay_filter: object
-    split_indices: object
-    enable_clip_grad: bool
-    frequency: int
-    block_size: object
-    damping_mode: str
-    statistics_decay: object
-    fisher: str
-    kl_clip: object
-    seed: object
-    graft: object
-    preconditioner: str
-    eigenbasis_exponent: object
-    eigenbasis_tolerance: object
-    max_rotated_dim: object
-    statistics_rows: object
-    cautious: object
-    experimental: Experimental
-    weight_decay: float
+    def __init__(self, **given):
+        checked = {}
+        for option in OPTIONS:
+            if option.check is not None:
+                value = given.get(option.name, option.default)
+                if value is REQUIRED:
+                    raise TypeError(f"For '{_OWNER}', the '{option.name}' is required.")
+                checked[option.name] = option.check(value, checked)
+        vars(self).update(checked)
+        _check_combinations(self)
 
-    def __post_init__(self):
-        def normalise(name, value):
-            object.__setattr__(self, name, value)
+    @staticmethod
+    def names():
+        """The names of the options :class:`ThorOptions` holds."""
+        return [option.name for option in OPTIONS if option.check is not None]
 
-        normalise("loss_scale", _positive(self.loss_scale, "loss_scale"))
-        normalise("weight_decay", _non_negative(self.weight_decay, "weight_decay"))
-        normalise("momentum", _non_negative(self.momentum, "momentum", allow_int=False))
-        normalise("frequency", check_int(self.frequency, "frequency", _OWNER, min_value=2))
-        normalise("use_nesterov", check_bool(self.use_nesterov, "use_nesterov", _OWNER))
-        normalise("enable_clip_grad", check_bool(self.enable_clip_grad, "enable_clip_grad",
-                                                 _OWNER))
-        _check_cautious(self.cautious)
-        normalise("batch_size", check_int(self.batch_size, "batch_size", _OWNER, min_value=1))
-        normalise("split_indices", _check_split_indices(self.split_indices))
-        if self.block_size is not None:
-            normalise("block_size", check_int(self.block_size, "block_size", _OWNER,
-                                              min_value=1))
-        check_filter(self.decay_filter, "decay_filter", _OWNER)
-        check_choice(self.damping_mode, "damping_mode", _OWNER, _DAMPING_MODES)
-        if self.statistics_decay is not None:
-            normalise("statistics_decay", check_number_range(
-                check_float(self.statistics_decay, "statistics_decay", _OWNER),
-                "statistics_decay", _OWNER, low=0.0, high=1.0, high_inclusive=False))
-        check_choice(self.fisher, "fisher", _OWNER, _FISHERS)
-        check_choice(self.graft, "graft", _OWNER, _GRAFTS)
-        if self.graft is not None and self.momentum >= 1.0:
-            raise ValueError(
-                f"For '{_OWNER}', with graft={self.graft!r} the 'momentum' must be below 1: it "
-                f"averages the steps as Adam's beta_1 does, v = m*v + (1 - m)*d: at 1 no step "
-                f"moves anything and above 1 the steps grow without bound; but got "
-                f"{self.momentum}.")
-        check_choice(self.preconditioner, "preconditioner", _OWNER, tuple(PRECONDITIONERS))
-        normalise("eigenbasis_exponent", _check_exponent(self.eigenbasis_exponent))
-        if self.eigenbasis_tolerance is not None:
-            normalise("eigenbasis_tolerance", check_number_range(
-                check_float(self.eigenbasis_tolerance, "eigenbasis_tolerance", _OWNER),
-                "eigenbasis_tolerance", _OWNER, low=0.0, high=1.0, low_inclusive=False,
-                high_inclusive=False))
-        if self.max_rotated_dim is not None:
-            normalise("max_rotated_dim", check_int(self.max_rotated_dim, "max_rotated_dim",
-                                                   _OWNER, min_value=1))
-        if self.statistics_rows is not None:
-            normalise("statistics_rows", check_int(self.statistics_rows, "statistics_rows",
-                                                   _OWNER, min_value=1))
-        if self.kl_clip is not None:
-            normalise("kl_clip", _positive(self.kl_clip, "kl_clip"))
-        normalise("seed", _check_seed(self.seed, self.fisher))
-        experimental = Experimental.of(self.experimental)
-        normalise("experimental", experimental)
-        _check_statistics_frequency(experimental.statistics_frequency, self.statistics_decay,
-                                    self.frequency)
-        if self.max_rotated_dim is not None and experimental.trace_thresholds is not None:
-            raise ValueError(
-                f"For '{_OWNER}', 'max_rotated_dim' leaves the factors it does not rotate "
-                f"unestimated, but the trace rule (trace_thresholds) reads every factor's "
-                f"trace; got max_rotated_dim={self.max_rotated_dim}.")
-        if experimental.pi_damping and self.damping_mode != "sqrt":
-            raise ValueError(f"For '{_OWNER}', 'pi_damping' splits damping_mode='sqrt' by the "
-                             f"factors' traces, but got damping_mode={self.damping_mode!r}.")
-        if self.damping is not None:
-            normalise("damping", resolve_learning_rate(self.damping, _OWNER, arg="damping"))
-        elif self.uses_damping:
-            raise ValueError(
-                f"For '{_OWNER}', the 'damping' is needed: {self._damping_reader()} reads it; "
-                f"give it, e.g. damping=0.1, damping_mode='relative'.")
+    def __eq__(self, other):
+        return isinstance(other, ThorOptions) and vars(self) == vars(other)
+
+    def __repr__(self):
+        return f"ThorOptions({', '.join(f'{k}={v!r}' for k, v in vars(self).items())})"
 
     @property
     def statistics_frequency(self):
@@ -219,7 +322,8 @@ class ThorOptions:
         (which Adam's step replaces with ``graft``)."""
         return self.damps_factors or self.graft is None
 
-    def _damping_reader(self):
+    def damping_reader(self):
+        """What reads the damping, for the error that asks for it."""
         if PRECONDITIONERS[self.preconditioner].damps_factors:
             return f"preconditioner={self.preconditioner!r}"
         if self.graft is None:
@@ -228,11 +332,47 @@ class ThorOptions:
 
     def get_config(self):
         """The options as the optimizer's config writes them (``weight_decay`` is Keras')."""
-        config = {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
-                  if field.name != "weight_decay"}
-        config.update(
-            damping=(None if self.damping is None
-                     else serialize_step_value(self.damping, "the 'damping'", _OWNER)),
-            decay_filter=serialize_filter(self.decay_filter, "decay_filter", _OWNER),
-            experimental=self.experimental.get_config())
-        return config
+        return {option.name: (option.serialize or (lambda value: value))(
+                    getattr(self, option.name))
+                for option in OPTIONS if option.check is not None
+                and option.name != "weight_decay"}
+
+
+def default_configuration():
+    """``tf_msopt.thor(model)``'s arguments: every option whose value differs from
+    MindSpore's."""
+    return {option.name: option.preset for option in OPTIONS if option.preset is not SAME}
+
+
+def signature(*leading, trailing=()):
+    """The signature of THOR's constructor: ``leading`` parameters, the options (those
+    MindSpore requires by position, the others by keyword), then ``trailing``."""
+    return inspect.Signature([*leading, *(inspect.Parameter(
+        option.name, inspect.Parameter.POSITIONAL_OR_KEYWORD if option.default is REQUIRED
+        else inspect.Parameter.KEYWORD_ONLY, default=option.default) for option in OPTIONS),
+                              *trailing])
+
+
+def _cell(value, option, required="(required)"):
+    if value is REQUIRED:
+        return required
+    if isinstance(value, str):
+        text = f'"{value}"'
+    elif isinstance(value, dict):
+        text = "{" + ", ".join(f'"{k}": {v!r}' for k, v in value.items()) + "}"
+    else:
+        text = repr(value)
+    return f"`{text}`" + (f" ({option.none_means})" if value is None and option.none_means
+                          else "")
+
+
+def arguments_table():
+    """docs/thor.md's table of the options: each with the default configuration's value,
+    MindSpore's and its description."""
+    rows = ["| argument | `mso.thor(model)` | MindSpore's form | meaning |",
+            "| --- | --- | --- | --- |"]
+    for option in OPTIONS:
+        preset = option.default if option.preset is SAME else option.preset
+        rows.append(f"| `{option.name}` | {_cell(preset, option)} | "
+                    f"{_cell(option.default, option)} | {option.description} |")
+    return "\n".join(rows) + "\n"

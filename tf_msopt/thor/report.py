@@ -127,7 +127,9 @@ class ThorReport:
     model, the floating-point operations its curvature adds to a step.
     With ``trace_thresholds``, ``trace_decisions`` maps each factored layer to its
     counts of inversions ``(refreshed, reused, frozen)``. ``awaiting_build``: THOR was
-    created for a model not built yet, and connects when ``fit`` builds it.
+    created for a model not built yet, and connects when ``fit`` builds it. ``steps``: once
+    THOR is built, each variable's path mapped to the names of the pieces of its step, in
+    the order they run (:attr:`~tf_msopt.thor.step_modifiers.VariableUpdate.parts`).
     """
 
     rows: tuple
@@ -140,6 +142,7 @@ class ThorReport:
     schedule: str = ""
     graft: object = None
     costs: tuple = ()
+    steps: dict = dataclasses.field(default_factory=dict)
 
     @property
     def preconditioned(self):
@@ -171,6 +174,10 @@ class ThorReport:
         lines = _aligned(table)
         if self.costs:
             lines += _cost_lines(self.costs, self.frequency)
+        if self.steps:
+            lines.append("step of each variable, in order:")
+            lines += _aligned([(f"  {path}", " > ".join(parts))
+                               for path, parts in self.steps.items()])
         if self.trace_decisions:
             lines.append("trace rule (inversions refreshed / reused / frozen):")
             lines += [f"  {layer}: {r} / {u} / {f}"

@@ -1,10 +1,11 @@
 """How THOR updates a variable: :class:`VariableUpdate`, and the pieces of its step after
-preconditioning, each in one place:
+preconditioning, each in one place and each named (``optimizer.report()`` lists a variable's
+pieces by these names):
 
 - :class:`KLClip` (``kl_clip``): one factor ``nu`` for every Kronecker-factored kernel's step;
 - :func:`weight_decay`, :func:`unit_norm_clip` (``enable_clip_grad``) and
-  :func:`momentum_average` (with ``graft``): ``(direction, variable) -> direction``, applied
-  in that order;
+  :func:`momentum_average` (with ``graft``): :class:`Modifier` objects, ``(direction, variable) ->
+  direction``, applied in that order;
 - :class:`MomentumStep` and :class:`CautiousMomentumStep` (``cautious``): the momentum
   update of a variable.
 
@@ -16,28 +17,49 @@ import tensorflow as tf
 
 from tf_msopt._common import tf_variable
 
-__all__ = ["CautiousMomentumStep", "KLClip", "MomentumStep", "VariableUpdate",
-           "momentum_average", "unit_norm_clip", "weight_decay"]
+__all__ = ["CautiousMomentumStep", "KLClip", "Modifier", "MomentumStep", "Precondition",
+           "VariableUpdate", "momentum_average", "unit_norm_clip", "weight_decay"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Modifier:
+    """A named piece of the step: ``apply(direction, variable) -> direction``."""
+
+    name: str
+    apply: object
+
+    def __call__(self, direction, variable):
+        return self.apply(direction, variable)
+
+
+@dataclasses.dataclass(frozen=True)
+class Precondition:
+    """A variable's direction from its gradient, named: ``apply(gradient, correction)``
+    (``correction``: Adam's bias correction at this step, for a rule with second moments)."""
+
+    name: str
+    apply: object
+
+    def __call__(self, gradient, correction):
+        return self.apply(gradient, correction)
 
 
 def weight_decay(rate):
     """``d + rate * w``: MindSpore's decay, added to the preconditioned gradient."""
-    def add_decay(direction, variable):
-        return direction + tf.cast(rate, variable.dtype) * variable
-    return add_decay
+    return Modifier("weight decay", lambda direction, variable: direction + tf.cast(
+        rate, variable.dtype) * variable)
 
 
-def unit_norm_clip(direction, variable):
-    """``d / max(|d|, 1)``: MindSpore's ``enable_clip_grad``."""
-    return tf.clip_by_norm(direction, 1.0)
+#: ``d / max(|d|, 1)``: MindSpore's ``enable_clip_grad``.
+unit_norm_clip = Modifier("unit-norm clip",
+                          lambda direction, variable: tf.clip_by_norm(direction, 1.0))
 
 
 def momentum_average(momentum):
     """``(1 - momentum) * d``: with ``graft``, momentum averages the steps as Adam's first
     moment does, so the learning rate means what it means to Adam."""
-    def average(direction, variable):
-        return direction * tf.cast(1.0 - momentum, variable.dtype)
-    return average
+    return Modifier("momentum average", lambda direction, variable: direction * tf.cast(
+        1.0 - momentum, variable.dtype))
 
 
 class KLClip:
@@ -62,6 +84,8 @@ class MomentumStep:
     """``v = m * v + d;  w = w - lr * v`` (Nesterov: ``w = w - lr * (d + m * v)``), one fused
     op, as MindSpore's ``ApplyMomentum``."""
 
+    name = "momentum step"
+
     def __init__(self, momentum, use_nesterov):
         self.momentum, self.use_nesterov = momentum, use_nesterov
 
@@ -76,6 +100,8 @@ class CautiousMomentumStep(MomentumStep):
     """The momentum step ``u`` along the entries where it agrees in sign with ``d``, ``k = [u *
     d > 0]``, scaled by ``1 / max(mean(k), 1e-3)`` (Liang et al. 2024): masking shortens no
     step on average."""
+
+    name = "cautious momentum step"
 
     def __init__(self, momentum, use_nesterov, assign, assign_sub):
         super().__init__(momentum, use_nesterov)
@@ -96,15 +122,15 @@ class VariableUpdate:
     """How THOR updates one trainable variable (planned once, on its first step).
 
     Attributes:
-        precondition: ``(gradient, correction) -> direction`` (the preconditioner's step for
-            a factored kernel, the LayerNorm rule; ``correction`` is Adam's bias correction at
-            this step), or None for the gradient itself.
+        precondition: a :class:`Precondition` (the preconditioner's step for a factored
+            kernel, the LayerNorm rule), or None for the gradient itself.
         factored: whether it is a Kronecker-factored kernel (the KL clip and the graft read
             its preconditioned direction).
         velocity: its momentum slot.
         graft_moment: Adam's second moment of its gradient, with ``graft``.
-        modifiers: ``(direction, variable) -> direction``, in order.
+        modifiers: :class:`Modifier` objects, in order.
         momentum_step: ``(direction, variable, velocity, learning_rate)``.
+        kl_clipped: whether the KL clip scales its direction.
     """
 
     precondition: object
@@ -113,6 +139,18 @@ class VariableUpdate:
     graft_moment: object
     modifiers: tuple
     momentum_step: object
+    kl_clipped: bool = False
+
+    @property
+    def parts(self):
+        """The names of the pieces of its step, in the order they run."""
+        return tuple(name for name in (
+            self.precondition.name if self.precondition else None,
+            None if self.graft_moment is None else "Adam graft" if self.factored
+            else "Adam step",
+            "KL clip" if self.kl_clipped else None,
+            *(modifier.name for modifier in self.modifiers),
+            self.momentum_step.name) if name)
 
     @classmethod
     def plan(cls, options, precondition, factored, velocity, graft_moment, *, decays,
@@ -128,4 +166,4 @@ class VariableUpdate:
                                               assign_sub)
                          if cautious else MomentumStep(options.momentum, options.use_nesterov))
         return cls(precondition, factored, velocity, graft_moment, tuple(modifiers),
-                   momentum_step)
+                   momentum_step, kl_clipped=factored and options.kl_clip is not None)

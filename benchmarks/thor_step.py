@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
+from tf_msopt.thor.curvature_base import FactorDamping  # noqa: E402
 from timing import emit, machine, time_cases  # noqa: E402
 
 # Per model: defaults, and the target (which case, at most how many times SGD-momentum).
@@ -208,8 +209,8 @@ class Case:
                     results += [damped_inverse_with_status(m, damping)[0]
                                 for m in (a, g) if m.shape.rank == 3]
                 else:
-                    results.append(block.invert(a, g, (damping, damping), (a_old, g_old),
-                                                optimizer.options.block_size)[0])
+                    results.append(block.invert(a, g, FactorDamping(damping, damping),
+                                                (a_old, g_old), optimizer.options.block_size)[0])
             return results
         return invert
 

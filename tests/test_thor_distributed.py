@@ -137,18 +137,18 @@ def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monke
     """Each replica factorises about half the factors; the other half arrives through the
     all-gather, bit for bit what the replica would have computed (MindSpore's form: the
     single device's result), and a refresh that keeps every basis gathers nothing."""
-    from tf_msopt.thor import curvature_estimator
+    from tf_msopt.thor import replica_division
     single, _, _ = train_deep(tf.distribute.get_strategy(), monkeypatch, False, preset)
     keras.backend.clear_session()
     undivided, _, everywhere = train_deep(two_cpu_strategy, monkeypatch, True, preset)
     keras.backend.clear_session()
-    gathers, gather = [], curvature_estimator.gather_device_values
+    gathers, gather = [], replica_division.gather_device_values
 
     def counted_gather(distribution, values):   # counts the gathers that run
         gathered = gather(distribution, values)
         return tf.py_function(lambda value: gathers.append(1) or value, [gathered],
                               gathered.dtype)
-    monkeypatch.setattr(curvature_estimator, "gather_device_values", counted_gather)
+    monkeypatch.setattr(replica_division, "gather_device_values", counted_gather)
     divided, optimizer, shared = train_deep(two_cpu_mirrored_strategy(), monkeypatch, False,
                                             preset)
     for got, want in zip(divided, undivided):

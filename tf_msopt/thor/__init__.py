@@ -19,8 +19,13 @@ statistics to its layers.
 - ``options.py``: THOR's options, checked and serialized once;
 - ``experimental.py``: :class:`Experimental`, the options no default uses;
 - ``curvature_estimator.py``: each factored layer's curvature state (the
-  preconditioner's, moving averages, trace rule) and its updates from the captured
-  statistics;
+  preconditioner's, moving averages, trace rule), owner of its updates from the captured
+  statistics by the three modules below;
+- ``curvature_averages.py``: the statistics' moving averages and the pending sums of
+  gradient accumulation;
+- ``refresh.py``: the refresh schedule, each layer's factor damping (``FactorDamping``)
+  and the trace rule's decisions;
+- ``replica_division.py``: the refresh divided among replicas, each layer's on its owner;
 - ``curvature_base.py``: the base of the curvature blocks and the registry from
   Keras layer types to them;
 - ``curvature_blocks.py``: one curvature block per layer kind (Dense,

@@ -22,8 +22,8 @@ from tf_msopt import _keras_compat as compat
 from tf_msopt.thor.block_diagonal import (BlockLayout, covariance_blocks, left_multiply,
                                           right_multiply, robust_inverses)
 
-__all__ = ["CurvatureBlock", "KroneckerBlock", "MaskedSteps", "Preconditioning", "REGISTRY",
-           "as_rows", "blocks_for", "from_config", "register"]
+__all__ = ["CurvatureBlock", "FactorDamping", "KroneckerBlock", "MaskedSteps", "Preconditioning",
+           "REGISTRY", "as_rows", "blocks_for", "from_config", "register"]
 
 REGISTRY = {}
 
@@ -56,6 +56,16 @@ def from_config(config):
     fields = {field.name for field in dataclasses.fields(cls)}
     return cls(**{key: tuple(value) if isinstance(value, list) else value
                   for key, value in config.items() if key in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorDamping:
+    """What one layer's factors are damped by: ``A + a I`` and ``G + g I`` (scalars or
+    tensors; ``sqrt(lambda)`` each, or shares of it, see
+    :mod:`tf_msopt.thor.refresh`)."""
+
+    a: object
+    g: object
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,7 +176,7 @@ class CurvatureBlock:
 
     def inversion_factors(self, a, g, damping, previous, block_size):
         """``[(statistics, damping, previous)]`` of the factors to invert, from mean
-        statistics ``(a, g)``, ``damping = (d_A, d_G)`` and the ``previous`` inverses
+        statistics ``(a, g)``, ``damping`` (a :class:`FactorDamping`) and the ``previous`` inverses
         (for :func:`tf_msopt.thor.block_diagonal.robust_inverses`: several layers' factors are
         inverted together)."""
         raise NotImplementedError
@@ -183,8 +193,8 @@ class CurvatureBlock:
         raise NotImplementedError
 
     def damped_trace(self, a, g, damping, block_size):
-        """``tr((A + d_A I) kron (G + d_G I))``, the trace of the damped curvature the
-        inverses stand for."""
+        """``tr((A + damping.a I) kron (G + damping.g I))``, the trace of the damped curvature
+        the inverses stand for."""
         raise NotImplementedError
 
     def precondition(self, gradient, state, block_size):
@@ -299,8 +309,8 @@ class KroneckerBlock(CurvatureBlock):
         return covariance_blocks(rows, self.a_layout(block_size))
 
     def inversion_factors(self, a, g, damping, previous, block_size):
-        return [(self.padded_a(a, block_size), damping[0], previous[0]),
-                (self.g_layout(block_size).with_padding_identity(g), damping[1], previous[1])]
+        return [(self.padded_a(a, block_size), damping.a, previous[0]),
+                (self.g_layout(block_size).with_padding_identity(g), damping.g, previous[1])]
 
     def padded_a(self, a, block_size):
         return self.a_layout(block_size).with_padding_identity(a)
@@ -312,7 +322,7 @@ class KroneckerBlock(CurvatureBlock):
 
     def damped_trace(self, a, g, damping, block_size):
         a_dim, g_dim = self.a_layout(block_size).dim, self.g_layout(block_size).dim
-        return (_trace(a) + damping[0] * a_dim) * (_trace(g) + damping[1] * g_dim)
+        return (_trace(a) + damping.a * a_dim) * (_trace(g) + damping.g * g_dim)
 
     def kernel_matrix(self, gradient):
         return tf.reshape(gradient, [self.a_dim, self.g_dim])

@@ -384,8 +384,8 @@ class DepthwiseConvBlock(KroneckerBlock):
 
     def damped_trace(self, a, g, damping, block_size):
         # Block-diagonal over channels: the sum of each channel's Kronecker trace.
-        a_traces = tf.linalg.trace(a) + damping[0] * self.a_dim
-        g_traces = tf.linalg.trace(g) + damping[1] * self.g_dim
+        a_traces = tf.linalg.trace(a) + damping.a * self.a_dim
+        g_traces = tf.linalg.trace(g) + damping.g * self.g_dim
         return tf.reduce_sum(a_traces * g_traces)
 
     def precondition(self, gradient, state, block_size):

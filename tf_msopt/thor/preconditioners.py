@@ -86,25 +86,26 @@ class InversePreconditioner:
             layer.g_inverse]
 
     def refresh(self, refreshes, assign):
-        """New inverses for ``refreshes`` (``(layer, a, g, use, damping)``; blocks of one size
-        inverted in one call), assigned where ``use`` holds. Returns the counts of blocks
-        retried and kept, and whether any block was computed anew."""
+        """New inverses for ``refreshes`` (:class:`~tf_msopt.thor.refresh.LayerRefresh` each;
+        blocks of one size inverted in one call), assigned where their ``use`` holds. Returns
+        the counts of blocks retried and kept, and whether any block was computed anew."""
         inputs = self.precondition_inputs
         factors, use = [], []
-        for layer, a, g, used, damping in refreshes:
+        for entry in refreshes:
+            layer = entry.layer
             previous = tf.convert_to_tensor(layer.a_inverse), tf.convert_to_tensor(
                 layer.g_inverse)
-            a_factor, g_factor = layer.block.inversion_factors(a, g, damping, previous,
-                                                               self.block_size)
+            a_factor, g_factor = layer.block.inversion_factors(entry.a, entry.g, entry.damping,
+                                                               previous, self.block_size)
             # Without the input side, A's inverse is never read: G's alone is computed.
             factors += [a_factor, g_factor] if inputs else [g_factor]
-            use += [used] * (2 if inputs else 1)
+            use += [entry.use] * (2 if inputs else 1)
         inverses, retried, kept = robust_inverses(factors, use)
         inverses = iter(inverses)
-        for layer, *_ in refreshes:
+        for entry in refreshes:
             if inputs:
-                assign(layer.a_inverse, next(inverses))
-            assign(layer.g_inverse, next(inverses))
+                assign(entry.layer.a_inverse, next(inverses))
+            assign(entry.layer.g_inverse, next(inverses))
         return retried, kept, tf.reduce_any(use)
 
     def step(self, layer, gradient, correction, assign):
@@ -201,22 +202,24 @@ class EigenbasisPreconditioner:
                 if vectors is not None]
 
     def refresh(self, refreshes, assign):
-        """The eigenvectors of the factors of ``refreshes`` (``(layer, a, g, use, damping)``),
-        assigned where ``use`` holds (and, with a tolerance, where the previous basis no
-        longer holds): the factors of one layout with blocks of at most ``GROUPED_SIZE``
+        """The eigenvectors of the factors of ``refreshes``
+        (:class:`~tf_msopt.thor.refresh.LayerRefresh` each; their damping is not read),
+        assigned where their ``use`` holds (and, with a tolerance, where the previous basis
+        no longer holds): the factors of one layout with blocks of at most ``GROUPED_SIZE``
         in one call under one conditional (none up to ``UNCONDITIONAL_SIZE``), wider ones
         each under its own. Returns None (no block is retried), the count of blocks kept
         and whether any block was decomposed."""
         groups = {}
-        for layer, a, g, used, _ in refreshes:
+        for entry in refreshes:
+            layer = entry.layer
             block, sides, filling = layer.block, [], self._filling(layer)
             if layer.g_eigenvectors is not None:
-                sides.append((layer.g_eigenvectors, g, block.g_layout(self.block_size)))
+                sides.append((layer.g_eigenvectors, entry.g, block.g_layout(self.block_size)))
             if layer.a_eigenvectors is not None:
-                sides.append((layer.a_eigenvectors, a, block.a_layout(self.block_size)))
+                sides.append((layer.a_eigenvectors, entry.a, block.a_layout(self.block_size)))
             for variable, statistics, layout in sides:
                 key = layout if layout.size <= GROUPED_SIZE else (layout, id(variable))
-                groups.setdefault(key, []).append((layout, variable, statistics, used,
+                groups.setdefault(key, []).append((layout, variable, statistics, entry.use,
                                                    filling))
         # Each group's bookkeeping is repeated in the trace, so it is kept to few operations
         # (the refresh's graph is most of what THOR adds to a small model's first step): no

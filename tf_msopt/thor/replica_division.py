@@ -1,0 +1,143 @@
+"""THOR's work divided among replicas: which replica owns each factored layer, and the
+refresh each owner computes for all.
+
+One job: under a strategy of several replicas, dealing the factored layers out to owner
+replicas (balanced by the cost of their factorisations, the same for a restarted worker)
+and running one bucket's refresh divided: each layer's on its owner, the refreshed state
+handed to every replica by one all-gather.
+"""
+import math
+import os
+
+import tensorflow as tf
+
+from tf_msopt.thor.execution import (TracedOnce, balanced_owners, device_of,
+                                     gather_device_values, on_each_device, replica_ids,
+                                     sum_device_values, when)
+
+__all__ = ["ReplicaDivision", "UNDIVIDED_REFRESH"]
+
+#: The environment variable that, set to 1, has every replica refresh every layer (for
+#: comparisons).
+UNDIVIDED_REFRESH = "TF_MSOPT_THOR_UNDIVIDED_REFRESH"
+
+
+class ReplicaDivision:
+    """The division of ``layers``' refresh among replicas.
+
+    Args:
+        layers: the estimator's :class:`~tf_msopt.thor.curvature_estimator.LayerCurvature`
+            list (filled as the state is built).
+        preconditioner: the optimizer's preconditioner, whose state is refreshed.
+        averages: the :class:`~tf_msopt.thor.curvature_averages.CurvatureAverages` of the
+            layers' statistics.
+        refresh: the :class:`~tf_msopt.thor.refresh.Refresh` whose schedule, damping and
+            counts the divided refresh follows.
+        assign: ``(variable, value)``, the optimizer's.
+    """
+
+    def __init__(self, layers, preconditioner, averages, refresh, assign):
+        self.layers, self.preconditioner = layers, preconditioner
+        self.averages, self.refresh = averages, refresh
+        self._assign = assign
+        self.traced_averages = TracedOnce(averages.update_bucket)
+        self.traced_part = TracedOnce(self._refresh_part)
+
+    def divides(self, distribution):
+        """Whether the refresh is divided among the replicas: under a strategy of several,
+        without the trace rule (whose decisions each replica keeps for every layer), and
+        unless ``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``."""
+        return (tf.distribute.in_cross_replica_context()
+                and distribution.num_replicas_in_sync > 1
+                and self.refresh.trace_thresholds is None
+                and os.environ.get(UNDIVIDED_REFRESH, "0") in ("", "0"))
+
+    def refresh_owners(self, replicas):
+        """``{block name: replica}``: which of ``replicas`` refreshes each block's state
+        when the refresh is divided, balanced by the cost of its factorisations (``count *
+        size^3`` a factor of ``count`` blocks). A function of the model and the number of
+        replicas alone: a restarted worker takes the same layers."""
+        def cost(shape):
+            return math.prod(shape[:-2]) * shape[-1] ** 3 if len(shape) >= 2 else shape[0]
+
+        costs = [sum(cost(tuple(variable.shape)) for variable in
+                     self.preconditioner.refreshed_state(layer)) for layer in self.layers]
+        return {layer.block.name: owner for layer, owner in zip(
+            self.layers, balanced_owners(costs, replicas))}
+
+    def update(self, distribution, first, bucket, summed, root_damping, g_scale):
+        """One bucket's layers (indices ``bucket``, statistics ``summed`` over replicas,
+        ``first`` a variable of its first layer) with the refresh divided: the averages on
+        every device, each layer's refresh on the replica that owns it, one all-reduce of
+        whether the replicas' refreshes computed anything and of their counts, and, where
+        any did, one all-gather that hands every replica all of the refreshed state."""
+        if self.averages.statistics_decay is not None:
+            on_each_device(distribution, first, self.traced_averages,
+                           (bucket, summed, g_scale))
+        ids, replicas = replica_ids(distribution), distribution.num_replicas_in_sync
+
+        def share():
+            parts, summaries = {}, {}
+
+            def part(component, *args):
+                replica = ids[device_of(component)]
+                parts[replica], summaries[replica] = self.traced_part(replica, *args)
+                return summaries[replica]
+
+            distribution.extended.update(first.value, part, group=False, args=(
+                replicas, bucket, summed, root_damping, g_scale))
+            changed, retried, kept = tf.unstack(sum_device_values(distribution, summaries))
+            on_each_device(distribution, first, self.refresh.count_failures, (retried, kept))
+
+            def hand_around():
+                flat = {}
+                for device, replica in ids.items():
+                    with tf.device(device):   # (the empty tensor: a replica may own nothing)
+                        flat[replica] = tf.concat([tf.reshape(value, [-1])
+                                                   for value in parts[replica]]
+                                                  + [tf.zeros([0])], 0)
+                gathered = gather_device_values(distribution, flat)
+                on_each_device(distribution, first, self._assign_gathered,
+                               (replicas, bucket, gathered))
+                return tf.constant(True)
+
+            # A refresh that kept every basis computed nothing: nothing to hand around.
+            when(changed > 0, hand_around)
+            return tf.constant(True)
+
+        when(self.refresh.due(), share)
+
+    def _owned(self, replica, replicas, bucket):
+        """The layers of ``bucket`` that ``replica`` (of ``replicas``) refreshes."""
+        owners = self.refresh_owners(replicas)
+        return [index for index in bucket if owners[self.layers[index].block.name] == replica]
+
+    def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
+        """This replica's share of one bucket's refresh: the refreshed state of the layers
+        it owns, in layer order, and ``(changed, retried, kept)``: whether any of it was
+        computed anew, and the counts of blocks retried and kept."""
+        owned = self._owned(replica, replicas, bucket)
+        refreshes = self.averages.refreshes(
+            owned, [statistics[bucket.index(index)] for index in owned], g_scale)
+        values, retried, kept, changed = {}, 0, 0, False
+        if refreshes:
+            retried, kept, changed = self.preconditioner.refresh(
+                self.refresh.with_damping(refreshes, root_damping),
+                lambda variable, value: values.__setitem__(id(variable), value))
+        state = [values[id(variable)] for index in owned
+                 for variable in self.preconditioner.refreshed_state(self.layers[index])]
+        return state, tf.stack([tf.cast(count, tf.float32) for count in (
+            changed, 0 if retried is None else retried, kept)])
+
+    def _assign_gathered(self, device_variable, replicas, bucket, gathered):
+        """Assigns one bucket's refreshed state from ``gathered`` (every replica's
+        :meth:`_refresh_part`, in replica order) on one device."""
+        offset = 0
+        for replica in range(replicas):
+            for index in self._owned(replica, replicas, bucket):
+                for variable in self.preconditioner.refreshed_state(self.layers[index]):
+                    size = variable.shape.num_elements()
+                    self._assign(variable, tf.reshape(gathered[offset:offset + size],
+                                                      variable.shape))
+                    offset += size
+        return tf.constant(True)

@@ -8,15 +8,19 @@ statistics to its layers.
 
 - ``factory.py``: :func:`thor`, :data:`DEFAULTS` and :func:`connect` (reconnects a
   loaded model's THOR after ``load_model``);
-- ``optimizer.py``: :class:`THOR` (the schedule of steps, each variable's update, the
-  config);
+- ``optimizer.py``: :class:`THOR`, the lifecycle (connect, build, config) and Keras'
+  hooks of the step;
+- ``step.py``: the schedule of steps and the step (``ThorStep``: each variable's update,
+  planned on its first step, and the statistics handed to the estimator);
 - ``preconditioners.py``: the inverse (MindSpore's) and the eigenbasis (the default's),
   each owning its state, refresh and step;
 - ``step_modifiers.py``: the pieces of the step after preconditioning (weight decay, norm
   clip, KL clip, momentum, the cautious mask);
-- ``model_link.py``: THOR's connection to its model (``connect``, ``report``);
+- ``model_link.py``: ``ModelLink``, the object THOR holds for its model (the connection,
+  the blocks, the report);
 - ``grafting.py``: Adam-grafted step lengths (``graft="adam"``);
-- ``options.py``: THOR's options, checked and serialized once;
+- ``options.py``: THOR's options, each one entry of ``OPTIONS`` (name, defaults, check,
+  meaning), from which the checks, the config, :data:`DEFAULTS` and the docs table come;
 - ``experimental.py``: :class:`Experimental`, the options no default uses;
 - ``curvature_estimator.py``: each factored layer's curvature state (the
   preconditioner's, moving averages, trace rule), owner of its updates from the captured
@@ -37,7 +41,8 @@ statistics to its layers.
   buffers, the sampled Fisher);
 - ``capture.py``: patches a treated layer's ``call`` to record its statistics;
 - ``sampled_fisher.py``: ``G`` from labels sampled from the model's outputs;
-- ``loss_scale_link.py``: finds the LossScaleOptimizer that applies THOR;
+- ``loss_scale_link.py``: ``LossScaleLink``, which finds the LossScaleOptimizer that
+  applies THOR;
 - ``execution.py``: conditionals on the step, one trace, replicas and devices;
 - ``report.py``: which layers get which rule (:class:`ThorReport`,
   ``optimizer.report()``);

@@ -13,6 +13,9 @@ One module per concept:
   ``keras.optimizers.LossScaleOptimizer`` driven by a cell, a manager or a number,
   with an overflow verdict shared by every replica and a scale that stays in
   ``[1, float32 max]``;
+- ``scale_sense.py``: the optimizer's two forms of its scale, MindSpore's
+  ``scale_sense`` and Keras' ``initial_scale`` / ``dynamic_growth_steps``: to an
+  update cell, into and out of a config with Keras' keys, and from Keras' class;
 - ``monitor.py``: :class:`LossScaleMonitor`, a callback that puts the scale and the
   skip counters into ``fit`` logs (progress bar, ``History``, ``TensorBoard``).
 """

@@ -1,48 +1,18 @@
 """``LossScaleOptimizer``: Keras' loss-scale wrapper driven by MindSpore's cells and managers."""
-import numbers
-
 import keras
-import numpy as np
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
 from tf_msopt._common import entry_point, register
-from tf_msopt._validation import check_int, type_name
-from tf_msopt.loss_scale.managers import DynamicLossScaleManager, FixedLossScaleManager
-from tf_msopt.loss_scale.update_cells import (DynamicLossScaleUpdateCell,
-                                              FixedLossScaleUpdateCell, LossScaleUpdateCell,
-                                              check_loss_scale, select)
+from tf_msopt._validation import type_name
+from tf_msopt.loss_scale.scale_sense import (add_scale_sense, constructor_arguments,
+                                             keras_scale_state, resolve_scale_sense,
+                                             scale_sense_of)
+from tf_msopt.loss_scale.update_cells import select
 from tf_msopt.optimizers.base import (AcceptsEmptyGradients, BuildsOnceEveryReplicaIsReady,
                                       WrapperOfOptimizer)
 
 __all__ = ["LossScaleOptimizer"]
-
-
-_Managers = (DynamicLossScaleManager, FixedLossScaleManager)
-_Scalars = (tf.Tensor, tf.Variable, keras.Variable, np.ndarray, np.generic)
-
-
-def _resolve_scale_sense(scale_sense, owner):
-    """``(scale_sense to keep, update cell or None, initial scale)`` of a scale_sense."""
-    if isinstance(scale_sense, LossScaleUpdateCell):
-        return scale_sense, scale_sense, scale_sense.get_loss_scale()
-    if isinstance(scale_sense, _Managers):
-        return scale_sense, scale_sense.get_update_cell(), scale_sense.get_loss_scale()
-    if isinstance(scale_sense, _Scalars) and not isinstance(scale_sense, bool):
-        array = np.asarray(scale_sense)
-        if array.shape not in ((), (1,)):
-            raise ValueError(f"For '{owner}', the shape of 'scale_sense' must be (1,) or (), "
-                             f"but got {array.shape}.")
-        if np.issubdtype(array.dtype, np.number) and array.dtype != bool:
-            scale_sense = array.reshape(()).item()
-    if isinstance(scale_sense, numbers.Real) and not isinstance(scale_sense, bool):
-        value = check_loss_scale(scale_sense, "scale_sense", owner)
-        return value, FixedLossScaleUpdateCell(value), value
-    raise TypeError(
-        f"For '{owner}', the 'scale_sense' must be a DynamicLossScaleUpdateCell, "
-        f"FixedLossScaleUpdateCell, DynamicLossScaleManager, FixedLossScaleManager, a number or a "
-        f"scalar tensor, but got type '{type_name(scale_sense)}'."
-    )
 
 
 def _unscale(grad, inv_scale):
@@ -53,6 +23,14 @@ def _unscale(grad, inv_scale):
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(values, grad.indices, grad.dense_shape)
     return values
+
+
+def _sum_over_replicas(distribution, per_replica):
+    """The sum of a per-replica scalar, called in cross-replica context."""
+    local = distribution.experimental_local_results(per_replica)
+    if len(local) == distribution.num_replicas_in_sync:
+        return tf.add_n(list(local))     # all replicas in this process: no collective
+    return distribution.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
 
 @register
@@ -73,19 +51,16 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
     ``FixedLossScaleManager(drop_overflow_update=False)``, which never checks
     and never skips.
 
-    Differences from ``keras.optimizers.LossScaleOptimizer``: the overflow
-    verdict is all-reduced, so an inf on any replica skips the step on every
-    replica (Keras checks replica 0 only); the scale stays in
-    ``[1, float32 max]`` (Keras' reaches 0, then writes NaN into the weights,
-    or grows to inf); the scale follows MindSpore's rule; and the state below
-    records skipped steps.
+    Unlike ``keras.optimizers.LossScaleOptimizer``: the overflow verdict is
+    all-reduced (an inf on any replica skips the step on every replica; Keras
+    follows replica 0), the scale stays in ``[1, float32 max]`` (Keras' reaches
+    0 or inf), it follows MindSpore's rule, and the state records skips.
 
-    State (variables, created in ``build``, saved by ``.keras`` and
+    State (variables created in ``build``, saved by ``.keras`` and
     ``tf.train.Checkpoint``): ``dynamic_scale`` (the current scale),
     ``step_counter`` (clean steps since the window last restarted),
-    ``last_step_skipped`` (1 if the last step was skipped, else 0) and
-    ``skipped_steps`` (skipped steps so far). :class:`LossScaleMonitor` puts
-    them into ``fit`` logs. ``iterations`` counts applied steps only.
+    ``last_step_skipped`` (1 or 0) and ``skipped_steps`` (so far), which
+    :class:`LossScaleMonitor` logs. ``iterations`` counts applied steps only.
 
     Custom loops: ``scale_loss(loss)`` and then ``apply(scaled_grads)`` (Keras
     3), or tf-keras' ``get_scaled_loss(loss)``, ``get_unscaled_gradients(grads)``
@@ -99,18 +74,14 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
         LossScaleOptimizer(inner, initial_scale=2**15, dynamic_growth_steps=2000)
 
     Keras' form means ``DynamicLossScaleUpdateCell(initial_scale, 2,
-    dynamic_growth_steps)``: Keras' rule, with the bounds above. Giving
-    ``scale_sense`` together with ``initial_scale`` or ``dynamic_growth_steps``
-    is a ``ValueError``. A number as the second positional argument is
-    MindSpore's ``scale_sense`` (a fixed scale), not Keras' ``initial_scale``.
+    dynamic_growth_steps)``, with the bounds above; both forms at once are a
+    ``ValueError``. A number as the second positional argument is MindSpore's
+    ``scale_sense`` (a fixed scale), not Keras' ``initial_scale``.
 
-    The config has Keras' keys (``initial_scale``, ``dynamic_growth_steps``),
-    and ``scale_sense`` where Keras' class has no equivalent (a fixed scale, a
-    manager, a factor other than 2): such a config loads into this class only,
-    and Keras' class refuses it naming ``scale_sense``. A config written with
-    Keras' class loads into this one; a model loaded from a ``.keras`` file
-    written with Keras' class has Keras' class (the file names it):
-    :meth:`from_keras` turns it into this one, state included.
+    The config has Keras' keys, plus ``scale_sense`` where Keras' class has no
+    equivalent (then only this class loads it); Keras' configs load into this
+    class, and :meth:`from_keras` converts Keras' optimizer, state included
+    (docs/loss_scaling.md, "A drop-in for Keras' class").
 
     Args:
         inner_optimizer: the ``keras.optimizers.Optimizer`` that applies the
@@ -134,23 +105,7 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
     def __init__(self, inner_optimizer, scale_sense=None, name=None, initial_scale=None,
                  dynamic_growth_steps=None, **kwargs):
         owner = type(self).__name__
-        keras_form = {key: value for key, value in (("initial_scale", initial_scale),
-                                                    ("dynamic_growth_steps",
-                                                     dynamic_growth_steps))
-                      if value is not None}
-        if scale_sense is not None and keras_form:
-            raise ValueError(
-                f"For '{owner}', give either MindSpore's 'scale_sense' or Keras' "
-                f"'initial_scale' / 'dynamic_growth_steps', not both, but got "
-                f"scale_sense={scale_sense!r} and {keras_form}."
-            )
-        if scale_sense is None:   # Keras' form: its dynamic rule (factor 2) and defaults
-            scale_sense = DynamicLossScaleUpdateCell(
-                check_loss_scale(2.0**15 if initial_scale is None else initial_scale,
-                                  "initial_scale", owner),
-                2,
-                check_int(2000 if dynamic_growth_steps is None else dynamic_growth_steps,
-                          "dynamic_growth_steps", owner, min_value=1))
+        scale_sense = scale_sense_of(scale_sense, initial_scale, dynamic_growth_steps, owner)
         if not isinstance(inner_optimizer, keras.optimizers.Optimizer):
             raise TypeError(f"For '{owner}', the 'inner_optimizer' must be a "
                             f"keras.optimizers.Optimizer, but got type "
@@ -159,7 +114,7 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
             raise ValueError(f"For '{owner}', the 'inner_optimizer' must not be a "
                              f"LossScaleOptimizer (the loss would be scaled twice), but got "
                              f"'{type_name(inner_optimizer)}'.")
-        scale_sense, update_cell, initial_scale = _resolve_scale_sense(scale_sense, owner)
+        scale_sense, update_cell, initial_scale = resolve_scale_sense(scale_sense, owner)
         growth_steps = getattr(update_cell, "scale_window", None)
         super().__init__(inner_optimizer, initial_scale=initial_scale,
                          dynamic_growth_steps=growth_steps, name=name, **kwargs)
@@ -235,12 +190,7 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
     def _cross_replica_apply(self, distribution, grads, trainable_variables):
         overflows = distribution.extended.call_for_each_replica(self._local_overflow,
                                                                 args=(grads,))
-        local = distribution.experimental_local_results(overflows)
-        if len(local) == distribution.num_replicas_in_sync:
-            total = tf.add_n(list(local))     # all replicas in this process: no collective
-        else:
-            total = distribution.reduce(tf.distribute.ReduceOp.SUM, overflows, axis=None)
-        finite = tf.equal(total, 0.0)
+        finite = tf.equal(_sum_over_replicas(distribution, overflows), 0.0)
 
         def apply_on_every_replica():
             distribution.extended.call_for_each_replica(
@@ -311,45 +261,18 @@ class LossScaleOptimizer(WrapperOfOptimizer, BuildsOnceEveryReplicaIsReady,
                             f"'{type_name(optimizer)}'.")
         if isinstance(optimizer, cls):
             return optimizer
-        scale = optimizer.initial_scale
-        if optimizer.built:   # continue from the current scale and window position
-            scale = float(keras.ops.convert_to_numpy(optimizer.dynamic_scale))
+        scale, step_counter = keras_scale_state(optimizer)
         ours = cls(optimizer.inner_optimizer, initial_scale=scale,
                    dynamic_growth_steps=optimizer.dynamic_growth_steps, name=optimizer.name)
-        if optimizer.built:
-            ours._initial_step_counter = int(keras.ops.convert_to_numpy(optimizer.step_counter))
+        if step_counter is not None:   # continue from Keras' window position
+            ours._initial_step_counter = step_counter
         return ours
 
-    def _keras_equivalent(self):
-        """True when Keras' class has the same rule: a dynamic cell with factor 2."""
-        sense = self.scale_sense
-        return type(sense) is DynamicLossScaleUpdateCell and sense.scale_factor == 2
-
     def get_config(self):
-        # Keras' keys, so that Keras' class loads the config where it means the same;
-        # scale_sense where it does not (Keras' class then refuses it, naming it).
-        config = super().get_config()
-        if not self._keras_equivalent():
-            scale_sense = self.scale_sense
-            if not isinstance(scale_sense, float):
-                scale_sense = keras.saving.serialize_keras_object(scale_sense)
-            config["scale_sense"] = scale_sense
-        return config
+        return add_scale_sense(super().get_config(), self.scale_sense)
 
     @classmethod
     def from_config(cls, config, custom_objects=None):
         """Loads this class's config (either form) or one written by Keras' class."""
-        config = dict(config)
-        inner = keras.saving.deserialize_keras_object(config.pop("inner_optimizer"),
-                                                      custom_objects=custom_objects)
-        scale_sense = config.pop("scale_sense", None)
-        if scale_sense is None:
-            return cls(inner, **config)           # Keras' form (also Keras' own configs)
-        # initial_scale / dynamic_growth_steps were written beside it for Keras' class.
-        config.pop("initial_scale", None)
-        config.pop("dynamic_growth_steps", None)
-        if isinstance(scale_sense, dict):
-            scale_sense = keras.saving.deserialize_keras_object(scale_sense,
-                                                                custom_objects=custom_objects)
-        return cls(inner, scale_sense, **config)
-
+        args, kwargs = constructor_arguments(config, custom_objects)
+        return cls(*args, **kwargs)

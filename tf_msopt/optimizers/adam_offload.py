@@ -1,10 +1,14 @@
-"""AdamOffload: Adam whose state and arithmetic live on the host."""
+"""AdamOffload: Adam whose state and arithmetic live on the host.
+
+This module is the public class: its arguments, checked here, and its config. The host state
+is built in :mod:`tf_msopt.optimizers.adam_offload_state`; the step that drives the host
+kernel is in :mod:`tf_msopt.optimizers.adam_offload_host`.
+"""
 import keras
 import numpy as np
 import tensorflow as tf
 
-from tf_msopt import _keras_compat as compat
-from tf_msopt._common import in_xla_context, register
+from tf_msopt._common import register
 from tf_msopt._validation import (
     check_bool,
     check_choice,
@@ -12,40 +16,25 @@ from tf_msopt._validation import (
     check_number_range,
     type_name,
 )
-from tf_msopt.ops.adam import (
-    COMPACT_MOMENT_DTYPES,
-    STATE_DTYPES,
-    adam_offload_steps,
-    scale_shape,
+from tf_msopt.ops.adam import STATE_DTYPES
+# DEFAULT_DECAY_EXCLUDES and XLA_MESSAGE stay importable from here, where they were defined.
+from tf_msopt.optimizers.adam_offload_host import XLA_MESSAGE, AdamOffloadHostStep  # noqa: F401
+from tf_msopt.optimizers.adam_offload_state import (  # noqa: F401
+    _OWNER,
+    DEFAULT_DECAY_EXCLUDES,
+    AdamOffloadState,
 )
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
     check_filter,
-    make_variable_filter,
     resolve_learning_rate,
     serialize_filter,
-    slot_name,
-    variable_path,
 )
-from tf_msopt.schedules import serialize_step_value, value_at_step
+from tf_msopt.schedules import serialize_step_value
 
 __all__ = ["AdamOffload"]
 
-#: MindSpore's default decay filter: no weight decay for parameters whose name
-#: has 'beta' or 'gamma' (normalization offsets and scales), on Keras paths.
-DEFAULT_DECAY_EXCLUDES = ("beta", "gamma")
-
-_OWNER = "AdamOffload"
-_HOST_DTYPES = {"float16": "float32", "bfloat16": "float32", tf.float16: tf.float32,
-                tf.bfloat16: tf.float32}
 _GROUP_KEYS = ("params", "learning_rate", "weight_decay")
-
-XLA_MESSAGE = (
-    "AdamOffload keeps its moments on the host device ({host}) and updates them there, which "
-    "an XLA-compiled train step cannot do. Compile the model with "
-    "model.compile(..., jit_compile=False); Keras compiles with XLA by default when a GPU is "
-    "present (jit_compile='auto'). In a custom loop, use tf.function(jit_compile=False)."
-)
 
 
 def _check_beta(value, arg):
@@ -151,28 +140,10 @@ def _check_groups(groups):
     return checked
 
 
-def _group_member(spec, index):
-    """``predicate(keras.Variable)``: True for the variables of group ``index``."""
-    keep = make_variable_filter(spec, (), f"groups[{index}]['params']", _OWNER)
-    # The shared filter excludes what a regex list matches; a group is what it matches.
-    return keep if callable(spec) else (lambda variable: not keep(variable))
-
-
-def _single_copy_variable(next_creator, **kwargs):
-    """Creates a plain variable where it is asked for: one copy on the host, even inside a
-    ``tf.distribute`` scope (whose creator would put a mirror on every replica's device)."""
-    del next_creator
-    return compat.resource_variable(**kwargs)
-
-
-def _same_device(a, b):
-    a, b = tf.DeviceSpec.from_string(a or ""), tf.DeviceSpec.from_string(b or "")
-    return ((a.device_type or "CPU").upper(), a.device_index or 0) == (
-        (b.device_type or "CPU").upper(), b.device_index or 0)
-
-
+# The mixins come before MindSporeOptimizer so that their build and step override its, as
+# they did when they were methods of this class.
 @register
-class AdamOffload(MindSporeOptimizer):
+class AdamOffload(AdamOffloadHostStep, AdamOffloadState, MindSporeOptimizer):
     """Adam with its moments and arithmetic on the host, MindSpore's ``nn.AdamOffload``.
 
     For a variable ``w`` with gradient ``g`` at step ``t`` (1, 2, ...)::
@@ -274,56 +245,6 @@ class AdamOffload(MindSporeOptimizer):
         self.groups = _check_groups(groups)
         self.state_dtype = _check_state_dtype(state_dtype)
 
-    def build(self, var_list):
-        if self.built:
-            return
-        super().build(var_list)
-        members = [_group_member(g["params"], i) for i, g in enumerate(self.groups)]
-        default_decay = make_variable_filter(None, DEFAULT_DECAY_EXCLUDES, "weight_decay", _OWNER)
-        weight_decay = self.weight_decay or 0.0  # None once a wrapper (LARS) takes it over
-        self._group_index, self._decay_factors = [], []
-        for variable in var_list:
-            found = [i for i, member in enumerate(members) if member(variable)]
-            if len(found) > 1:
-                raise RuntimeError(
-                    f"For '{_OWNER}', the variable '{variable_path(variable)}' is in groups "
-                    f"{found}; a "
-                    f"variable may be in one group only."
-                )
-            group = found[0] if found else None
-            if self.excluded_from_weight_decay(variable):
-                decay = 0.0
-            elif group is None:
-                decay = weight_decay if default_decay(variable) else 0.0
-            else:
-                decay = self.groups[group].get("weight_decay", weight_decay)
-            self._group_index.append(group)
-            # MindSpore adds (weight_decay * loss_scale) * w to the still-scaled gradient.
-            self._decay_factors.append(decay * self.loss_scale)
-        # Half-precision variables get float32 host arithmetic (float16 cannot hold Adam's
-        # second moment or eps), as compact state does; the delta is cast on adding it.
-        self._host_dtypes = [
-            tf.as_dtype(_HOST_DTYPES.get(v.dtype, v.dtype) if self.state_dtype == "float32"
-                        else "float32") for v in var_list]
-        moment_dtypes = COMPACT_MOMENT_DTYPES.get(self.state_dtype)
-        with tf.device(self.host_device), tf.variable_creator_scope(_single_copy_variable):
-            self._moment1, self._moment2 = (
-                [self.add_variable(v.shape, dtype=moment_dtypes[k] if moment_dtypes else host,
-                                   name=slot_name(v, slot))
-                 for v, host in zip(var_list, self._host_dtypes)]
-                for k, slot in enumerate(("moment1", "moment2")))
-            # int8 codes' scales: one per block of each moment (none for other dtypes).
-            self._scales = [
-                [self.add_variable(scale_shape(v.shape), dtype="float32",
-                                   name=slot_name(v, f"{slot}_scale"))
-                 for v in var_list] if self.state_dtype == "int8" else [None] * len(var_list)
-                for slot in ("moment1", "moment2")]
-            # MindSpore's running products beta**t (float32), and the step they are at.
-            self._beta1_power, self._beta2_power = (
-                self.add_variable((), initializer="ones", dtype="float32", name=name)
-                for name in ("beta1_power", "beta2_power"))
-            self._powers_step = self.add_variable((), dtype="int64", name="powers_step")
-
     @property
     def moments(self):
         """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``, as
@@ -338,99 +259,6 @@ class AdamOffload(MindSporeOptimizer):
 
     def decay_weights(self, variables):
         """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
-
-    def _add_delta(self, variable, delta):
-        with tf.device(variable.device):  # the one part of the step on the variable's device
-            self.assign_add(variable, delta)
-
-    # -- the step ----------------------------------------------------------------------------
-
-    def distributed_update(self, distribution, grads_and_vars, learning_rate):
-        # Keras calls update_step once per replica's copy of a variable; the host
-        # state must be updated once per step, so each delta is computed once here
-        # (from the summed gradient) and added to every copy.
-        scalars = self._step_scalars(distribution.experimental_local_results(learning_rate)[0])
-        deltas = self._host_steps(
-            [(distribution.experimental_local_results(grad)[0],
-              distribution.experimental_local_results(variable))
-             for grad, variable in grads_and_vars], scalars)
-        for (_, variable), delta in zip(grads_and_vars, deltas):
-            if delta is not None:
-                distribution.extended.update(variable, self._add_delta, args=(delta,),
-                                             group=False)
-
-    def _update(self, gradient, variable, learning_rate):
-        """One variable, for wrappers that call ``update_step`` themselves (e.g. LARS)."""
-        if compat.distribution_strategy(self).num_replicas_in_sync > 1:
-            raise RuntimeError(
-                f"For '{_OWNER}', update_step was called for one replica's copy of a variable, "
-                f"which would update the shared host state once per replica. Under a "
-                f"multi-replica strategy, use AdamOffload as the outermost optimizer (or inside "
-                f"a LossScaleOptimizer)."
-            )
-        (delta,) = self._host_steps([(gradient, (variable,))], self._step_scalars(learning_rate))
-        if delta is not None:
-            self._add_delta(variable, delta)
-
-    def _step_scalars(self, learning_rate):
-        """``{group: (beta1**t, beta2**t, lr)}`` for this step, on the host."""
-        if in_xla_context():
-            raise RuntimeError(XLA_MESSAGE.format(host=self.host_device))
-        with tf.device(self.host_device):
-            # Running products, as MindSpore keeps them (pow(beta, t) rounds differently,
-            # enough to move MindSpore's golden weights by 1e-6). Advanced once per
-            # step even when a wrapper calls update_step once per variable.
-            step = tf.cast(self.iterations, tf.int64) + 1
-            advance = self._powers_step < step
-            beta1_power, beta2_power = (
-                tf.where(advance, power * tf.constant(beta, tf.float32), power.value)
-                for power, beta in ((self._beta1_power, self.beta1),
-                                    (self._beta2_power, self.beta2)))
-            self.assign(self._beta1_power, beta1_power)
-            self.assign(self._beta2_power, beta2_power)
-            self.assign(self._powers_step, step)
-            rates = {None: tf.cast(learning_rate, tf.float32)}
-            for index, group in enumerate(self.groups):
-                rate = group.get("learning_rate")
-                rates[index] = rates[None] if rate is None else tf.cast(
-                    value_at_step(rate, self.iterations), tf.float32)
-        return {key: (beta1_power, beta2_power, rate) for key, rate in rates.items()}
-
-    def _host_steps(self, updates, scalars):
-        """Updates the host state of each ``(gradient, copies of its variable)``; returns each
-        variable's delta, or None where the variable lives on the host and was updated in the
-        same pass. The variables of one group, dtype and kind go to one kernel call."""
-        batches = {}
-        for position, (gradient, copies) in enumerate(updates):
-            variable = copies[0]
-            index = compat.variable_index(self, variable)
-            dtype = self._host_dtypes[index]   # float32 for half precision and compact state
-            grad = tf.cast(tf.convert_to_tensor(gradient), dtype)  # IndexedSlices: dense
-            decay = self._decay_factors[index]
-            if decay:
-                with tf.device(variable.device):
-                    grad = tf.cast(variable, dtype) * tf.cast(decay, dtype) + grad
-            in_place = (len(copies) == 1 and tf.as_dtype(variable.dtype) == dtype
-                        and _same_device(variable.device, self.host_device))
-            batches.setdefault((self._group_index[index], dtype, in_place), []).append(
-                (position, index, grad, variable))
-        deltas = [None] * len(updates)
-        for (group, _, in_place), batch in batches.items():
-            positions, indices, grads, variables = zip(*batch)
-            beta1_power, beta2_power, lr = scalars[group]
-            compact = self.state_dtype != "float32"
-            found = adam_offload_steps(
-                [self._moment1[i].value for i in indices],
-                [self._moment2[i].value for i in indices], grads, beta1_power, beta2_power,
-                lr, self.beta1, self.beta2, self.eps, 1.0 / self.loss_scale,
-                use_nesterov=self.use_nesterov, use_locking=self.use_locking,
-                variables=variables if in_place else None, assign=self.assign,
-                assign_add=self.assign_add, state_dtype=self.state_dtype if compact else None,
-                scales=[[scales[i].value for i in indices] for scales in self._scales]
-                if self.state_dtype == "int8" else None)
-            for position, delta in zip(positions, found or ()):
-                deltas[position] = delta
-        return deltas
 
     # -- saving ------------------------------------------------------------------------------
 

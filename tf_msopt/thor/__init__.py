@@ -32,9 +32,10 @@ statistics to its layers.
 - ``replica_division.py``: the refresh divided among replicas, each layer's on its owner;
 - ``curvature_base.py``: the base of the curvature blocks and the registry from
   Keras layer types to them;
-- ``curvature_blocks.py``: one curvature block per layer kind (Dense,
-  EinsumDense, Conv1D/2D/3D (grouped too), their transposes, DepthwiseConv1D/2D,
-  SeparableConv1D/2D, Embedding, LayerNormalization);
+- ``curvature_blocks/``: one curvature block per layer kind, a module per family
+  (``dense.py``: Dense, EinsumDense; ``convolution.py``: Conv1D/2D/3D (grouped too), their
+  transposes, DepthwiseConv1D/2D, SeparableConv1D/2D; ``embedding.py``;
+  ``normalization.py``: LayerNormalization; ``recurrent.py``: SimpleRNN, GRU, LSTM);
 - ``block_diagonal.py``: block-diagonal factor math (damped inverses that never
   go non-finite, block products);
 - ``connection.py``: the connection to a model (patched layers, statistics

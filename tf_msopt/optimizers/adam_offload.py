@@ -1,13 +1,16 @@
 """AdamOffload: Adam whose state and arithmetic live on the host.
 
-This module is the public class: its arguments, checked here, and its config. The host state
-is built in :mod:`tf_msopt.optimizers.adam_offload_state`; the step that drives the host
-kernel is in :mod:`tf_msopt.optimizers.adam_offload_host`.
+This module is the public class: its arguments, checked here, its config, and the Keras hooks,
+which hand the work to two objects: the host state
+(:class:`~tf_msopt.optimizers.adam_offload_state.OffloadState`, made by ``build``) and, each
+step, the host kernel's driver
+(:class:`~tf_msopt.optimizers.adam_offload_host.HostKernelDriver`).
 """
 import keras
 import numpy as np
 import tensorflow as tf
 
+from tf_msopt import _keras_compat as compat
 from tf_msopt._common import register
 from tf_msopt._validation import (
     check_bool,
@@ -18,11 +21,11 @@ from tf_msopt._validation import (
 )
 from tf_msopt.ops.adam import STATE_DTYPES
 # DEFAULT_DECAY_EXCLUDES and XLA_MESSAGE stay importable from here, where they were defined.
-from tf_msopt.optimizers.adam_offload_host import XLA_MESSAGE, AdamOffloadHostStep  # noqa: F401
+from tf_msopt.optimizers.adam_offload_host import XLA_MESSAGE, HostKernelDriver  # noqa: F401
 from tf_msopt.optimizers.adam_offload_state import (  # noqa: F401
     _OWNER,
     DEFAULT_DECAY_EXCLUDES,
-    AdamOffloadState,
+    OffloadState,
 )
 from tf_msopt.optimizers.base import (
     MindSporeOptimizer,
@@ -140,10 +143,8 @@ def _check_groups(groups):
     return checked
 
 
-# The mixins come before MindSporeOptimizer so that their build and step override its, as
-# they did when they were methods of this class.
 @register
-class AdamOffload(AdamOffloadHostStep, AdamOffloadState, MindSporeOptimizer):
+class AdamOffload(MindSporeOptimizer):
     """Adam with its moments and arithmetic on the host, MindSpore's ``nn.AdamOffload``.
 
     For a variable ``w`` with gradient ``g`` at step ``t`` (1, 2, ...)::
@@ -249,16 +250,79 @@ class AdamOffload(AdamOffloadHostStep, AdamOffloadState, MindSporeOptimizer):
     def moments(self):
         """The ``(moment1, moment2)`` lists, one entry per variable, on ``host_device``, as
         stored (``state_dtype``): ``tf_msopt.ops.adam.decode_moments`` gives their values."""
-        return self._moment1, self._moment2
+        return self._host_state.moment1, self._host_state.moment2
 
     @property
     def moment_scales(self):
         """The ``(moment1, moment2)`` lists of the int8 codes' scales (Nones for other
         ``state_dtype``)."""
-        return tuple(self._scales)
+        return tuple(self._host_state.scales)
+
+    def build(self, var_list):
+        """Creates the host state of ``var_list`` (once)."""
+        if self.built:
+            return
+        super().build(var_list)
+        state = OffloadState(
+            var_list, host_device=self.host_device, state_dtype=self.state_dtype,
+            groups=self.groups, weight_decay=self.weight_decay, loss_scale=self.loss_scale,
+            excluded_from_weight_decay=self.excluded_from_weight_decay,
+            add_variable=self.add_variable)
+        # The checkpoint's object graph holds the state under the optimizer's own names, in
+        # the order it always had, so checkpoints keep their layout.
+        for name, value in state.checkpoint_children().items():
+            setattr(self, name, value)
+        self._host_state = state
 
     def decay_weights(self, variables):
         """No decoupled decay: ``weight_decay`` is MindSpore's L2 term, in the host step."""
+
+    # -- the step ----------------------------------------------------------------------------
+
+    def distributed_update(self, distribution, grads_and_vars, learning_rate):
+        # Keras calls update_step once per replica's copy of a variable; the host
+        # state must be updated once per step, so each delta is computed once here
+        # (from the summed gradient) and added to every copy.
+        driver = self._host_kernel_driver()
+        scalars = driver.step_scalars(
+            distribution.experimental_local_results(learning_rate)[0], self.iterations)
+        deltas = driver.deltas(
+            [(distribution.experimental_local_results(grad)[0],
+              distribution.experimental_local_results(variable))
+             for grad, variable in grads_and_vars], scalars)
+        for (_, variable), delta in zip(grads_and_vars, deltas):
+            if delta is not None:
+                distribution.extended.update(variable, self._add_delta, args=(delta,),
+                                             group=False)
+
+    def _update(self, gradient, variable, learning_rate):
+        """One variable, for wrappers that call ``update_step`` themselves (e.g. LARS)."""
+        if compat.distribution_strategy(self).num_replicas_in_sync > 1:
+            raise RuntimeError(
+                f"For '{_OWNER}', update_step was called for one replica's copy of a variable, "
+                f"which would update the shared host state once per replica. Under a "
+                f"multi-replica strategy, use AdamOffload as the outermost optimizer (or inside "
+                f"a LossScaleOptimizer)."
+            )
+        driver = self._host_kernel_driver()
+        (delta,) = driver.deltas([(gradient, (variable,))],
+                                 driver.step_scalars(learning_rate, self.iterations))
+        if delta is not None:
+            self._add_delta(variable, delta)
+
+    def _host_kernel_driver(self):
+        """The step's :class:`HostKernelDriver`, with the settings as they are now."""
+        return HostKernelDriver(
+            self._host_state, host_device=self.host_device, state_dtype=self.state_dtype,
+            beta1=self.beta1, beta2=self.beta2, eps=self.eps, loss_scale=self.loss_scale,
+            use_nesterov=self.use_nesterov, use_locking=self.use_locking,
+            group_rates=[group.get("learning_rate") for group in self.groups],
+            variable_index=lambda variable: compat.variable_index(self, variable),
+            assign=self.assign, assign_add=self.assign_add)
+
+    def _add_delta(self, variable, delta):
+        with tf.device(variable.device):  # the one part of the step on the variable's device
+            self.assign_add(variable, delta)
 
     # -- saving ------------------------------------------------------------------------------
 

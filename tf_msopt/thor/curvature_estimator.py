@@ -141,10 +141,17 @@ class CurvatureEstimator:
                 self.averages.build_pending(layer, a_shape, g_shape, add_variable)
             self.layers.append(layer)
 
-    def build_counters(self, add_variable):
+    def build_counters(self, add_variable, add_transient_variable):
         """Creates the counts of blocks whose inversion was retried and that kept their
-        previous state (after the optimizer's own variables, as checkpoints hold them)."""
-        self.refresh.build_counters(add_variable)
+        previous state (with ``add_variable``, after the optimizer's own variables, as
+        checkpoints hold them), and of the factors the last refresh computed anew (with
+        ``add_transient_variable``: not saved)."""
+        self.refresh.build_counters(add_variable, add_transient_variable)
+
+    def refreshed_bases(self):
+        """``(recomputed, kept)`` factors at the last refresh
+        (:meth:`Refresh.refreshed_bases <tf_msopt.thor.refresh.Refresh.refreshed_bases>`)."""
+        return self.refresh.refreshed_bases()
 
     def trace_decisions(self):
         """``{block name: (refreshed, reused, frozen)}`` with the trace rule."""

@@ -69,8 +69,9 @@ class ReplicaDivision:
         """One bucket's layers (indices ``bucket``, statistics ``summed`` over replicas,
         ``first`` a variable of its first layer) with the refresh divided: the averages on
         every device, each layer's refresh on the replica that owns it, one all-reduce of
-        whether the replicas' refreshes computed anything and of their counts, and, where
-        any did, one all-gather that hands every replica all of the refreshed state."""
+        the replicas' counts (of the factors computed anew, the blocks retried and kept),
+        and, where any factor was computed anew, one all-gather that hands every replica all
+        of the refreshed state."""
         if self.averages.statistics_decay is not None:
             on_each_device(distribution, first, self.traced_averages,
                            (bucket, summed, g_scale))
@@ -87,7 +88,8 @@ class ReplicaDivision:
             distribution.extended.update(first.value, part, group=False, args=(
                 replicas, bucket, summed, root_damping, g_scale))
             changed, retried, kept = tf.unstack(sum_device_values(distribution, summaries))
-            on_each_device(distribution, first, self.refresh.count_failures, (retried, kept))
+            on_each_device(distribution, first, self.refresh.count,
+                           (retried, kept, changed, bucket[0] == 0))
 
             def hand_around():
                 flat = {}
@@ -114,12 +116,12 @@ class ReplicaDivision:
 
     def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
         """This replica's share of one bucket's refresh: the refreshed state of the layers
-        it owns, in layer order, and ``(changed, retried, kept)``: whether any of it was
-        computed anew, and the counts of blocks retried and kept."""
+        it owns, in layer order, and ``(changed, retried, kept)``: the counts of its factors
+        computed anew and of the blocks retried and kept."""
         owned = self._owned(replica, replicas, bucket)
         refreshes = self.averages.refreshes(
             owned, [statistics[bucket.index(index)] for index in owned], g_scale)
-        values, retried, kept, changed = {}, 0, 0, False
+        values, retried, kept, changed = {}, 0, 0, 0
         if refreshes:
             retried, kept, changed = self.preconditioner.refresh(
                 self.refresh.with_damping(refreshes, root_damping),

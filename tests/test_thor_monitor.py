@@ -178,9 +178,22 @@ def test_inside_a_loss_scale_optimizer(wrap):
     assert not any(reference.batches[0::2])
 
 
+def test_without_a_monitor_thor_counts_no_bases_and_a_later_monitor_retraces():
+    """No count (and no op for it in the step) until a monitor asks: then ``fit``'s train
+    function, traced by the first ``fit``, is traced again with the count."""
+    model, thor, _ = fit()
+    assert not thor.counts_refreshed_bases
+    assert [int(n) for n in thor.refreshed_bases()] == [0, 0]
+    x, y = regression_data(n=16 * BATCHES)
+    history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+                        callbacks=[mso.thor.Monitor(update_freq=1)]).history
+    assert thor.counts_refreshed_bases
+    assert history["thor_bases_recomputed"][-1] + history["thor_bases_kept"][-1] == 4
+
+
 def test_a_resume_keeps_the_refresh_count_and_the_counters(tmp_path):
     """The counts of the last refresh are not saved: they read 0 until the next refresh."""
-    model, thor, _ = fit()
+    model, thor, _ = fit(lambda thor: [mso.thor.Monitor()])
     path = tf.train.Checkpoint(model=model, optimizer=thor).save(str(tmp_path / "ckpt"))
     restored = small_mlp()
     optimizer = CONFIGS["default"](restored)

@@ -581,7 +581,7 @@ def option_state(optimizer):
                                     "trace_decisions", "rotated_second_moment")
     variables.append(optimizer.kl_factor)
     if optimizer.options.graft:
-        variables += optimizer._graft.second_moments
+        variables += optimizer._step.graft.second_moments
     state = {v.name: v.numpy() for v in variables}
     state.update({v.name: np.abs(v.numpy())
                   for v in curvature_variables(optimizer, "a_eigenvectors", "g_eigenvectors")})

@@ -48,6 +48,8 @@ statistics to its layers.
   ``optimizer.report()``);
 - ``monitor.py``: :class:`Monitor`, the callback that puts THOR's health (KL factor,
   damping, refreshes, bases kept and recomputed, failed factorisations) in ``fit`` logs;
+- ``readings.py``: what THOR's refreshes did, read between steps (the refresh count, the
+  bases the last refresh recomputed once counting is asked for, the damping);
 - ``cost.py``: the floating-point operations the curvature adds to a step, per layer (the
   report's last table).
 """

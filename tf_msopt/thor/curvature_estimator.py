@@ -148,6 +148,13 @@ class CurvatureEstimator:
         ``add_transient_variable``: not saved)."""
         self.refresh.build_counters(add_variable, add_transient_variable)
 
+    def count_refreshed_bases(self):
+        """Has the refreshes traced from now on count the factors they compute anew."""
+        self.refresh.counts_bases = True
+        # The refreshes traced so far count nothing: the next step must not reuse them.
+        self.traced_refresh.forget_traces()
+        self.division.traced_part.forget_traces()
+
     def refreshed_bases(self):
         """``(recomputed, kept)`` factors at the last refresh
         (:meth:`Refresh.refreshed_bases <tf_msopt.thor.refresh.Refresh.refreshed_bases>`)."""

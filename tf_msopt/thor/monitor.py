@@ -61,8 +61,11 @@ class Monitor(keras.callbacks.Callback):
       retried with more damping, and that kept their previous state, since the start.
 
     The refresh count follows ``iterations`` and the two counts of blocks are optimizer
-    state, so all three survive a resume; the counts of the last refresh are not saved and
-    read 0 until the first refresh after a resume.
+    state, so all three survive a resume. THOR counts the factors of a refresh only once
+    asked (:meth:`THOR.count_refreshed_bases <tf_msopt.thor.optimizer.THOR.count_refreshed_bases>`,
+    which the monitor calls at the start of ``fit``; without it the step traces no
+    operation for the count): those two read 0 until the first refresh of a ``fit`` with
+    a monitor, are not saved, and read 0 again after a resume until its first refresh.
 
     The values are read only where they are logged: on TensorFlow, Keras runs the
     callbacks of a batch on the training thread once its step has run, so the other
@@ -110,6 +113,10 @@ class Monitor(keras.callbacks.Callback):
                 f"tf_msopt.thor.Monitor needs a model compiled with THOR "
                 f"(tf_msopt.thor(model)), or a LossScaleOptimizer around it, but the "
                 f"optimizer is {found}.")
+        if self._thor.count_refreshed_bases():
+            # fit made its train function before this call; one traced without the count
+            # (an earlier fit's) would keep it at 0: trace it again.
+            self.model.make_train_function(force=True)
         self._batches = 0
 
     def on_train_batch_end(self, batch, logs=None):

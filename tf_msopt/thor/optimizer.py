@@ -10,7 +10,6 @@ its model (:mod:`tf_msopt.thor.model_link`) and to a loss-scale wrapper
 import functools
 import inspect
 
-import keras
 import tensorflow as tf
 
 from tf_msopt import _keras_compat as compat
@@ -26,6 +25,7 @@ from tf_msopt.thor.grafting import AdamGraft
 from tf_msopt.thor.loss_scale_link import LossScaleLink
 from tf_msopt.thor.model_link import ModelLink, check_model
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
+from tf_msopt.thor.readings import RefreshReadings
 from tf_msopt.thor.step import StepSchedule, ThorStep, check_accumulation
 from tf_msopt.thor.step_modifiers import KLClip
 
@@ -35,7 +35,7 @@ _OWNER = "THOR"
 
 
 @register
-class THOR(MindSporeOptimizer):
+class THOR(RefreshReadings, MindSporeOptimizer):
     """THOR, MindSpore's second-order optimizer, on Keras layers.
 
     Create it with :func:`tf_msopt.thor` (which finds the layers and connects the statistics
@@ -168,7 +168,7 @@ class THOR(MindSporeOptimizer):
 
     def savedmodel_only_children(self):
         children = self._model_link.savedmodel_only_children()
-        if self._estimator is not None:    # a traced step updates it
+        if self._estimator is not None:    # a step traced while counting updates it
             children["bases_recomputed"] = self._estimator.refresh.bases_recomputed
         return children
 
@@ -181,25 +181,6 @@ class THOR(MindSporeOptimizer):
         ``build``."""
         layers = self._estimator.layers if self._estimator is not None else ()
         return {layer.block.name: layer for layer in layers}
-
-    @property
-    def refresh_count(self):
-        """How many of the updates so far refreshed the preconditioner (steps 0, F, 2F, ...
-        of ``iterations``, ``F`` the frequency): read from ``iterations``, so it survives a
-        resume."""
-        return self._schedule.refreshes(self.iterations)
-
-    def refreshed_bases(self):
-        """``(recomputed, kept)``: how many factors (a factored layer's ``A`` and ``G``) the
-        last refresh computed anew (their eigenbases, or MindSpore's inverses) and how many
-        it left as they were (the eigenbasis still held, the trace rule reused it, the layer
-        saw no rows), int64 tensors. The count is no part of the saved state: ``(0, 0)``
-        before the first refresh since THOR was built or loaded."""
-        return self._estimator.refreshed_bases() if self._estimator is not None else (0, 0)
-
-    def damping_at(self, step):
-        """``lambda`` at ``step`` as the step reads it; None where no step reads it."""
-        return self._schedule.damping(step) if self.uses_damping else None
 
     def refresh_owners(self, replicas):
         """``{block name: replica}``: which of ``replicas`` refreshes each factored block
@@ -228,9 +209,7 @@ class THOR(MindSporeOptimizer):
         if options.kl_clip is not None:
             self.kl_factor = self._add_state_variable((), "ones", "kl_factor")
             kl_clip = KLClip(options.kl_clip, self.assign)
-        self._estimator.build_counters(self._add_state_variable, self._add_transient_variable)
-        self.damping_retries = self._estimator.damping_retries
-        self.failed_inverses = self._estimator.failed_inverses
+        self._build_counters()
         graft = (AdamGraft(self.add_variable_from_reference, self.assign, var_list)
                  if options.graft else None)
         self._step = ThorStep(
@@ -245,12 +224,6 @@ class THOR(MindSporeOptimizer):
     def _add_state_variable(self, shape, initializer, name, dtype="float32"):
         # The curvature is computed in float32 whatever the model's dtype (``floatx``).
         return self.add_variable(shape, initializer=initializer, dtype=dtype, name=name)
-
-    def _add_transient_variable(self, shape, initializer, name, dtype="float32"):
-        # Made as add_variable makes the optimizer's state, but not tracked: not saved.
-        with keras.name_scope(self.name, caller=self):
-            return keras.Variable(initializer, shape=shape, dtype=dtype, trainable=False,
-                                  name=name)
 
     def _decays(self, variable):
         return (self.weight_decay > 0 and bool(self._decay_filter(variable))

@@ -12,6 +12,7 @@ import dataclasses
 import keras
 import tensorflow as tf
 
+from tf_msopt.thor.block_diagonal import count_true
 from tf_msopt.thor.curvature_base import FactorDamping
 from tf_msopt.thor.execution import when
 
@@ -84,6 +85,10 @@ class Refresh:
         self.damping_retries = self.failed_inverses = self.bases_recomputed = None
         #: How many factors a refresh considers (each layer's ``refreshed_state``).
         self.factor_count = 0
+        #: Whether the refreshes traced from now on count the factors they compute anew: off
+        #: until THOR is asked (``count_refreshed_bases``), so a step without a monitor
+        #: traces no op for it.
+        self.counts_bases = False
 
     # --- state
 
@@ -109,8 +114,8 @@ class Refresh:
 
     def refreshed_bases(self):
         """``(recomputed, kept)``: how many factors the last refresh computed anew and how
-        many it left as they were (int64 tensors); ``(0, 0)`` before the first refresh since
-        THOR was built or loaded."""
+        many it left as they were (int64 tensors); ``(0, 0)`` before the first refresh that
+        counted them (:attr:`counts_bases`) since THOR was built or loaded."""
         recomputed = tf.convert_to_tensor(self.bases_recomputed)
         refreshed = recomputed != NOT_REFRESHED
         return (tf.where(refreshed, recomputed, 0),
@@ -157,7 +162,7 @@ class Refresh:
         if self.trace_thresholds is None:
             self._refresh_layers(refreshes, first)
             return tf.constant(True)
-        if first:    # each layer the rule refreshes adds to the count
+        if first and self.counts_bases:    # each layer the rule refreshes adds to the count
             self._assign(self.bases_recomputed, tf.zeros([], tf.int64))
         for entry in refreshes:
             refresh = self._trace_rule(entry.layer, entry.layer.block.damped_trace(
@@ -169,18 +174,21 @@ class Refresh:
 
     def _refresh_layers(self, refreshes, first=False):
         """The preconditioner's refresh of ``refreshes``, counted."""
-        return self.count(None, *self.preconditioner.refresh(refreshes, self._assign), first)
+        retried, kept, recomputed = self.preconditioner.refresh(refreshes, self._assign)
+        return self.count(None, retried, kept,
+                          count_true(recomputed) if self.counts_bases else None, first)
 
-    def count(self, device_variable, retried, kept, recomputed, first=False):
+    def count(self, device_variable, retried, kept, recomputed=None, first=False):
         """Adds the blocks a refresh retried (None: the preconditioner retries none) and
-        kept to the counts, and the factors it ``recomputed`` to this refresh's (``first``:
-        as its first bucket, in place of the previous refresh's), on the device of
-        ``device_variable``, if any."""
+        kept to the counts, and the factors it ``recomputed`` (None: the bases are not
+        counted) to this refresh's (``first``: as its first bucket, in place of the previous
+        refresh's), on the device of ``device_variable``, if any."""
         if retried is not None:
             self._assign_add(self.damping_retries, retried)
         self._assign_add(self.failed_inverses, kept)
-        (self._assign if first else self._assign_add)(
-            self.bases_recomputed, tf.cast(recomputed, tf.int64))
+        if recomputed is not None:
+            (self._assign if first else self._assign_add)(
+                self.bases_recomputed, tf.cast(recomputed, tf.int64))
         return tf.constant(True)
 
     def _layer_damping(self, block, a, g, root_damping):

@@ -182,12 +182,12 @@ def test_without_a_monitor_thor_counts_no_bases_and_a_later_monitor_retraces():
     """No count (and no op for it in the step) until a monitor asks: then ``fit``'s train
     function, traced by the first ``fit``, is traced again with the count."""
     model, thor, _ = fit()
-    assert not thor.counts_refreshed_bases
-    assert [int(n) for n in thor.refreshed_bases()] == [0, 0]
+    assert not thor.readings.counts_refreshed_bases
+    assert [int(n) for n in thor.readings.refreshed_bases()] == [0, 0]
     x, y = regression_data(n=16 * BATCHES)
     history = model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
                         callbacks=[mso.thor.Monitor(update_freq=1)]).history
-    assert thor.counts_refreshed_bases
+    assert thor.readings.counts_refreshed_bases
     assert history["thor_bases_recomputed"][-1] + history["thor_bases_kept"][-1] == 4
 
 

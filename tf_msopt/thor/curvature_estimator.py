@@ -141,12 +141,17 @@ class CurvatureEstimator:
                 self.averages.build_pending(layer, a_shape, g_shape, add_variable)
             self.layers.append(layer)
 
-    def build_counters(self, add_variable, add_transient_variable):
+    def build_counters(self, add_variable):
         """Creates the counts of blocks whose inversion was retried and that kept their
         previous state (with ``add_variable``, after the optimizer's own variables, as
-        checkpoints hold them), and of the factors the last refresh computed anew (with
-        ``add_transient_variable``: not saved)."""
-        self.refresh.build_counters(add_variable, add_transient_variable)
+        checkpoints hold them), and of the factors the last refresh computed anew (not
+        saved)."""
+        self.refresh.build_counters(add_variable)
+
+    def savedmodel_only_children(self):
+        """The count of factors computed anew, which a step traced while counting updates
+        and no checkpoint holds."""
+        return {"bases_recomputed": self.refresh.bases_recomputed}
 
     def count_refreshed_bases(self):
         """Has the refreshes traced from now on count the factors they compute anew."""

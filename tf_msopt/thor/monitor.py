@@ -30,11 +30,11 @@ def thor_state(thor):
     if thor.options.kl_clip is not None:
         state["thor_kl_factor"] = thor.kl_factor
     step = keras.ops.convert_to_tensor(thor.iterations)
-    damping = thor.damping_at(tf.maximum(step - 1, 0))
+    damping = thor.readings.damping_at(tf.maximum(step - 1, 0))
     if damping is not None:
         state["thor_damping"] = damping
-    state["thor_refreshes"] = thor.refresh_count
-    state["thor_bases_recomputed"], state["thor_bases_kept"] = thor.refreshed_bases()
+    state["thor_refreshes"] = thor.readings.refresh_count
+    state["thor_bases_recomputed"], state["thor_bases_kept"] = thor.readings.refreshed_bases()
     state["thor_damping_retries"] = thor.damping_retries
     state["thor_failed_inverses"] = thor.failed_inverses
     return {name: keras.ops.convert_to_numpy(value).item() for name, value in state.items()}
@@ -62,8 +62,8 @@ class Monitor(keras.callbacks.Callback):
 
     The refresh count follows ``iterations`` and the two counts of blocks are optimizer
     state, so all three survive a resume. THOR counts the factors of a refresh only once
-    asked (:meth:`THOR.count_refreshed_bases <tf_msopt.thor.optimizer.THOR.count_refreshed_bases>`,
-    which the monitor calls at the start of ``fit``; without it the step traces no
+    asked (``optimizer.readings.count_refreshed_bases()``,
+    :class:`~tf_msopt.thor.readings.RefreshReadings`, which the monitor calls at the start of ``fit``; without it the step traces no
     operation for the count): those two read 0 until the first refresh of a ``fit`` with
     a monitor, are not saved, and read 0 again after a resume until its first refresh.
 
@@ -113,7 +113,7 @@ class Monitor(keras.callbacks.Callback):
                 f"tf_msopt.thor.Monitor needs a model compiled with THOR "
                 f"(tf_msopt.thor(model)), or a LossScaleOptimizer around it, but the "
                 f"optimizer is {found}.")
-        if self._thor.count_refreshed_bases():
+        if self._thor.readings.count_refreshed_bases():
             # fit made its train function before this call; one traced without the count
             # (an earlier fit's) would keep it at 0: trace it again.
             self.model.make_train_function(force=True)

@@ -1,31 +1,42 @@
 """What THOR's refreshes did, read between steps (for :class:`~tf_msopt.thor.monitor.Monitor`).
 
-One job: :class:`RefreshReadings`, mixed into :class:`~tf_msopt.thor.optimizer.THOR`: how
-many updates refreshed, the damping a step read, and, once asked for
+One job: :class:`RefreshReadings`, the object THOR holds as ``optimizer.readings``: how many
+updates refreshed, the damping a step read, and, once asked for
 (:meth:`~RefreshReadings.count_refreshed_bases`), how many factors the last refresh computed
-anew. Kept out of the optimizer's module, which holds its lifecycle.
+anew.
 """
-import keras
-
 __all__ = ["RefreshReadings"]
 
 
 class RefreshReadings:
-    """THOR's readings of its refreshes, and the counts they read; reads the optimizer's
-    ``iterations``, ``_schedule`` (:class:`~tf_msopt.thor.step.StepSchedule`) and
-    ``_estimator`` (:class:`~tf_msopt.thor.curvature_estimator.CurvatureEstimator`, None
-    until built)."""
+    """THOR's readings of its refreshes.
 
-    #: Whether the steps traced from now on count the factors each refresh computes anew
-    #: (:meth:`count_refreshed_bases`).
-    counts_refreshed_bases = False
+    Args:
+        schedule: THOR's :class:`~tf_msopt.thor.step.StepSchedule` (its step counter and
+            frequency, the damping at a step).
+        uses_damping: whether any step of THOR reads its damping.
+    """
+
+    def __init__(self, schedule, uses_damping):
+        self.schedule, self.uses_damping = schedule, uses_damping
+        #: THOR's :class:`~tf_msopt.thor.curvature_estimator.CurvatureEstimator`, once built.
+        self.estimator = None
+        #: Whether the steps traced from now on count the factors each refresh computes
+        #: anew (:meth:`count_refreshed_bases`).
+        self.counts_refreshed_bases = False
+
+    def attach(self, estimator):
+        """Reads ``estimator`` (THOR's ``build`` calls it after the counters exist)."""
+        self.estimator = estimator
+        if self.counts_refreshed_bases:
+            estimator.count_refreshed_bases()
 
     @property
     def refresh_count(self):
         """How many of the updates so far refreshed the preconditioner (steps 0, F, 2F, ...
         of ``iterations``, ``F`` the frequency): read from ``iterations``, so it survives a
         resume."""
-        return self._schedule.refreshes(self.iterations)
+        return self.schedule.refreshes(self.schedule.step())
 
     def count_refreshed_bases(self):
         """Has the steps traced from now on count the factors each refresh computes anew,
@@ -36,8 +47,8 @@ class RefreshReadings:
         if self.counts_refreshed_bases:
             return False
         self.counts_refreshed_bases = True
-        if self._estimator is not None:    # else ``build`` switches it on
-            self._estimator.count_refreshed_bases()
+        if self.estimator is not None:    # else ``attach`` switches it on
+            self.estimator.count_refreshed_bases()
         return True
 
     def refreshed_bases(self):
@@ -47,23 +58,8 @@ class RefreshReadings:
         saw no rows), int64 tensors. Counted only after :meth:`count_refreshed_bases` and
         no part of the saved state: ``(0, 0)`` before the first refresh that counted them
         since THOR was built or loaded."""
-        return self._estimator.refreshed_bases() if self._estimator is not None else (0, 0)
+        return self.estimator.refreshed_bases() if self.estimator is not None else (0, 0)
 
     def damping_at(self, step):
         """``lambda`` at ``step`` as the step reads it; None where no step reads it."""
-        return self._schedule.damping(step) if self.uses_damping else None
-
-    def _build_counters(self):
-        """The estimator's counts (after the optimizer's own variables, as checkpoints hold
-        them), the bases among them where they were asked for before the build."""
-        self._estimator.build_counters(self._add_state_variable, self._add_transient_variable)
-        if self.counts_refreshed_bases:
-            self._estimator.count_refreshed_bases()
-        self.damping_retries = self._estimator.damping_retries
-        self.failed_inverses = self._estimator.failed_inverses
-
-    def _add_transient_variable(self, shape, initializer, name, dtype="float32"):
-        # Made as add_variable makes the optimizer's state, but not tracked: not saved.
-        with keras.name_scope(self.name, caller=self):
-            return keras.Variable(initializer, shape=shape, dtype=dtype, trainable=False,
-                                  name=name)
+        return self.schedule.damping(step) if self.uses_damping else None

@@ -101,14 +101,15 @@ class Refresh:
         # (refreshed, reused, frozen) refreshes
         layer.trace_decisions = add_variable((3,), "zeros", f"{name}_trace_decisions", "int64")
 
-    def build_counters(self, add_variable, add_transient_variable):
+    def build_counters(self, add_variable):
         """Creates the counts of blocks whose inversion was retried and that kept their
         previous state (optimizer state, with ``add_variable``), and of the factors the last
-        refresh computed anew (with ``add_transient_variable``: no checkpoint holds it)."""
+        refresh computed anew (a variable of the strategy's, which no checkpoint holds: the
+        optimizer does not track it)."""
         self.damping_retries = add_variable((), "zeros", "damping_retries", "int64")
         self.failed_inverses = add_variable((), "zeros", "failed_inverses", "int64")
-        self.bases_recomputed = add_transient_variable(
-            (), keras.initializers.Constant(NOT_REFRESHED), "bases_recomputed", "int64")
+        self.bases_recomputed = keras.Variable(NOT_REFRESHED, dtype="int64", trainable=False,
+                                               name="bases_recomputed")
         self.factor_count = sum(len(self.preconditioner.refreshed_state(layer))
                                 for layer in self.layers)
 

@@ -38,9 +38,13 @@ def test_compare_trains_every_optimizer_on_both_models_and_writes_the_plots(tmp_
             else:
                 assert r["epochs_to_target"] == first + 1, (kind, name)
                 assert r["seconds_to_target"] == r["seconds"][first] > 0, (kind, name)
+            # THOR's runs log its state (tf_msopt.thor.Monitor), the others do not.
+            assert ("thor_refreshes" in r) == (name == "THOR"), (kind, name)
+        assert 0 < runs["THOR"]["thor_refreshes"][0] < runs["THOR"]["thor_refreshes"][1]
         assert os.path.getsize(os.path.join(tmp_path, f"{kind}_curves.png")) > 10_000
     out = capsys.readouterr().out
     assert "epochs to target" in out and "THOR" in out and "AdamOffload" in out
+    assert out.count("THOR's state at the last epoch") == 2 and "bases recomputed" in out
     with open(os.path.join(tmp_path, "results.json")) as f:
         assert json.load(f)["cnn"]["Adam"]["val_accuracy"] == results["cnn"]["Adam"]["val_accuracy"]
 

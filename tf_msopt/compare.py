@@ -4,7 +4,9 @@ Muon.
 Trains the same model from the same initial weights with each optimizer, shows
 Keras progress bars, prints a table (final loss, accuracy, time, and the epoch
 and time at which the validation accuracy first reaches a target) and saves
-plots of loss and accuracy against epochs and against wall time.
+plots of loss and accuracy against epochs and against wall time. THOR's runs also
+log its state with ``tf_msopt.thor.Monitor`` (in the progress bars, the results
+and a table of their last epoch).
 
 By default it trains an MLP and a small CNN on scikit-learn's bundled digits
 (no network). ``--data file.npz`` trains on your arrays instead: ``x_train`` and
@@ -159,17 +161,20 @@ def without_data_autotuning():
 
 def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, verbose,
               callbacks=()):
+    from tf_msopt.thor.monitor import Monitor, monitored_thor
+
     x_train, x_val, y_train, y_val = data
     keras.utils.set_random_seed(seed)
     model = make_model(kind, x_train.shape[1:], int(max(y_train.max(), y_val.max())) + 1)
     model.set_weights(initial_weights)
     model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
-    clock = _EpochClock()
+    clock = _EpochClock()     # first: the epoch's time leaves out the monitor's reads
+    monitor = [Monitor()] if monitored_thor(model.optimizer) is not None else []
     with without_data_autotuning():
         history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
-                            validation_data=(x_val, y_val), callbacks=[clock, *callbacks],
-                            verbose=verbose)
+                            validation_data=(x_val, y_val),
+                            callbacks=[clock, *monitor, *callbacks], verbose=verbose)
     return dict(history.history, seconds=clock.seconds)
 
 
@@ -204,6 +209,7 @@ def compare(models=MODELS, optimizers=None, epochs=15, batch_size=64, target_acc
             r["seconds_to_target"] = None if reached is None else r["seconds"][reached]
             results[kind][name] = r
         print_table(kind, results[kind], target_accuracy)
+        print_thor_state(kind, results[kind])
     if output_dir:
         os.makedirs(output_dir, exist_ok=True)
         for kind, runs in results.items():
@@ -224,6 +230,24 @@ def print_table(kind, runs, target_accuracy):
         seconds = "-" if r["seconds_to_target"] is None else f"{r['seconds_to_target']:.1f}"
         print(f"{name:<14}{r['loss'][-1]:>11.4f}{r['val_loss'][-1]:>10.4f}"
               f"{r['val_accuracy'][-1]:>9.3f}{r['seconds'][-1]:>10.1f}{epochs:>18}{seconds:>13}")
+
+
+def print_thor_state(kind, runs):
+    """The last epoch's THOR state (:class:`tf_msopt.thor.Monitor`'s entries) of the runs
+    that logged it."""
+    from tf_msopt.thor.monitor import LOGGED
+
+    monitored = {name: r for name, r in runs.items() if any(key in r for key in LOGGED)}
+    if not monitored:
+        return
+    headers = [key[len("thor_"):].replace("_", " ") for key in LOGGED]
+    print(f"\n{kind}: THOR's state at the last epoch (tf_msopt.thor.Monitor; - where the "
+          f"configuration has none)")
+    print(f"{'optimizer':<14}" + "".join(f"{header:>{len(header) + 2}}" for header in headers))
+    for name, r in monitored.items():
+        cells = [f"{r[key][-1]:.4g}" if key in r else "-" for key in LOGGED]
+        print(f"{name:<14}" + "".join(f"{cell:>{len(header) + 2}}"
+                                      for cell, header in zip(cells, headers)))
 
 
 def plot_curves(kind, runs, output_dir):

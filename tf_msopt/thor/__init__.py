@@ -47,6 +47,10 @@ statistics to its layers.
 - ``execution.py``: conditionals on the step, one trace, replicas and devices;
 - ``report.py``: which layers get which rule (:class:`ThorReport`,
   ``optimizer.report()``);
+- ``monitor.py``: :class:`Monitor`, the callback that puts THOR's health (KL factor,
+  damping, refreshes, bases kept and recomputed, failed factorisations) in ``fit`` logs;
+- ``readings.py``: what THOR's refreshes did, read between steps (the refresh count, the
+  bases the last refresh recomputed once counting is asked for, the damping);
 - ``cost.py``: the floating-point operations the curvature adds to a step, per layer (the
   report's last table).
 """
@@ -56,10 +60,11 @@ import types
 from tf_msopt.thor import block_diagonal as blocks  # the module's former name
 from tf_msopt.thor.experimental import Experimental
 from tf_msopt.thor.factory import DEFAULTS, connect, thor
+from tf_msopt.thor.monitor import Monitor
 from tf_msopt.thor.optimizer import THOR
 from tf_msopt.thor.report import ThorReport
 
-__all__ = ["DEFAULTS", "Experimental", "THOR", "ThorReport", "connect", "thor"]
+__all__ = ["DEFAULTS", "Experimental", "Monitor", "THOR", "ThorReport", "connect", "thor"]
 
 
 class _CallableModule(types.ModuleType):

@@ -143,8 +143,27 @@ class CurvatureEstimator:
 
     def build_counters(self, add_variable):
         """Creates the counts of blocks whose inversion was retried and that kept their
-        previous state (after the optimizer's own variables, as checkpoints hold them)."""
+        previous state (with ``add_variable``, after the optimizer's own variables, as
+        checkpoints hold them), and of the factors the last refresh computed anew (not
+        saved)."""
         self.refresh.build_counters(add_variable)
+
+    def savedmodel_only_children(self):
+        """The count of factors computed anew, which a step traced while counting updates
+        and no checkpoint holds."""
+        return {"bases_recomputed": self.refresh.bases_recomputed}
+
+    def count_refreshed_bases(self):
+        """Has the refreshes traced from now on count the factors they compute anew."""
+        self.refresh.counts_bases = True
+        # The refreshes traced so far count nothing: the next step must not reuse them.
+        self.traced_refresh.forget_traces()
+        self.division.traced_part.forget_traces()
+
+    def refreshed_bases(self):
+        """``(recomputed, kept)`` factors at the last refresh
+        (:meth:`Refresh.refreshed_bases <tf_msopt.thor.refresh.Refresh.refreshed_bases>`)."""
+        return self.refresh.refreshed_bases()
 
     def trace_decisions(self):
         """``{block name: (refreshed, reused, frozen)}`` with the trace rule."""

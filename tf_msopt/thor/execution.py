@@ -40,6 +40,10 @@ class TracedOnce:
     def __call__(self, *args):
         return self._fn(*args) if tf.executing_eagerly() else self._traced(*args)
 
+    def forget_traces(self):
+        """Has the next call in a graph trace ``fn`` anew (what it traces has changed)."""
+        self._traced = tf.function(self._fn, autograph=False)
+
 
 def replicas_in_sync():
     context = tf.distribute.get_replica_context()

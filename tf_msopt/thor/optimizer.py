@@ -25,6 +25,7 @@ from tf_msopt.thor.grafting import AdamGraft
 from tf_msopt.thor.loss_scale_link import LossScaleLink
 from tf_msopt.thor.model_link import ModelLink, check_model
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
+from tf_msopt.thor.readings import RefreshReadings
 from tf_msopt.thor.step import StepSchedule, ThorStep, check_accumulation
 from tf_msopt.thor.step_modifiers import KLClip
 
@@ -89,6 +90,7 @@ class THOR(MindSporeOptimizer):
         self._decay_filter = make_variable_filter(options.decay_filter, (), "decay_filter",
                                                   _OWNER)
         self._schedule = StepSchedule(options, lambda: self.iterations)
+        self.readings = RefreshReadings(self._schedule, options.uses_damping)
         self._model_link = ModelLink(options, self.preconditioner, None if layers is None else
                                      tuple(b if isinstance(b, CurvatureBlock) else from_config(b)
                                            for b in layers))
@@ -154,7 +156,8 @@ class THOR(MindSporeOptimizer):
     def report(self):
         """A :class:`tf_msopt.thor.ThorReport`: every trainable variable's rule and why, and,
         once built, the pieces of its step."""
-        steps = (self._step.parts(compat.trainable_variables(self), self._tracked_index)
+        steps = (self._step.parts(compat.trainable_variables(self),
+                                  functools.partial(compat.tracked_index, self))
                  if self.built and self._model_link.connection is not None else {})
         return self._model_link.report(
             self._estimator.trace_decisions() if self.built else {}, steps,
@@ -166,7 +169,8 @@ class THOR(MindSporeOptimizer):
         return self._model_link.step_costs(self.gradient_accumulation_steps or 1)
 
     def savedmodel_only_children(self):
-        return self._model_link.savedmodel_only_children()
+        counters = {} if self._estimator is None else self._estimator.savedmodel_only_children()
+        return {**self._model_link.savedmodel_only_children(), **counters}
 
     # --- state
 
@@ -208,6 +212,7 @@ class THOR(MindSporeOptimizer):
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries
         self.failed_inverses = self._estimator.failed_inverses
+        self.readings.attach(self._estimator)
         graft = (AdamGraft(self.add_variable_from_reference, self.assign, var_list)
                  if options.graft else None)
         self._step = ThorStep(
@@ -226,9 +231,6 @@ class THOR(MindSporeOptimizer):
     def _decays(self, variable):
         return (self.weight_decay > 0 and bool(self._decay_filter(variable))
                 and not self.excluded_from_weight_decay(variable))
-
-    def _tracked_index(self, variable):
-        return compat.tracked_index(self, variable)
 
     # --- Keras' hooks of the step, run by ThorStep
 
@@ -249,7 +251,8 @@ class THOR(MindSporeOptimizer):
 
     def update_variables(self, grads, trainable_variables, learning_rate):
         if self._step.updates is None:
-            self._step.plan(compat.trainable_variables(self), self._tracked_index)
+            self._step.plan(compat.trainable_variables(self),
+                            functools.partial(compat.tracked_index, self))
         compat.merge_call(self._step.refresh, compat.distribution_strategy(self),
                           self._step.statistics())
         super().update_variables(grads, trainable_variables, learning_rate)

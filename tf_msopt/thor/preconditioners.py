@@ -88,7 +88,8 @@ class InversePreconditioner:
     def refresh(self, refreshes, assign):
         """New inverses for ``refreshes`` (:class:`~tf_msopt.thor.refresh.LayerRefresh` each;
         blocks of one size inverted in one call), assigned where their ``use`` holds. Returns
-        the counts of blocks retried and kept, and whether any block was computed anew."""
+        the counts of blocks retried and kept, and whether each factor was computed anew
+        (left to the caller to reduce, so a refresh that counts nothing adds no op)."""
         inputs = self.precondition_inputs
         factors, use = [], []
         for entry in refreshes:
@@ -106,7 +107,7 @@ class InversePreconditioner:
             if inputs:
                 assign(entry.layer.a_inverse, next(inverses))
             assign(entry.layer.g_inverse, next(inverses))
-        return retried, kept, tf.reduce_any(use)
+        return retried, kept, use
 
     def step(self, layer, gradient, correction, assign):
         a_inverse = tf.convert_to_tensor(layer.a_inverse) if self.precondition_inputs else None
@@ -208,7 +209,7 @@ class EigenbasisPreconditioner:
         no longer holds): the factors of one layout with blocks of at most ``GROUPED_SIZE``
         in one call under one conditional (none up to ``UNCONDITIONAL_SIZE``), wider ones
         each under its own. Returns None (no block is retried), the count of blocks kept
-        and whether any block was decomposed."""
+        and whether each factor was decomposed (left to the caller to reduce)."""
         groups = {}
         for entry in refreshes:
             layer = entry.layer
@@ -253,7 +254,7 @@ class EigenbasisPreconditioner:
             for variable, part in zip(variables, unjoined(vectors, counts)):
                 assign(variable, part)
             kept.append(failed)
-        return None, count_true(joined(kept)), tf.reduce_any(joined(decomposed))
+        return None, count_true(joined(kept)), joined(decomposed)
 
     def _filling(self, layer):
         """Whether ``layer``'s moving averages are still filling (no average: never)."""

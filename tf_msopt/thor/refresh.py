@@ -3,17 +3,24 @@
 One job: the refresh of the layers' preconditioner state, on one device: on which steps
 (:meth:`Refresh.due`), with what damping per factor (:class:`FactorDamping`, from
 ``sqrt(lambda)`` and ``damping_mode`` or ``pi_damping``), which layers the trace rule lets
-refresh (its state and decisions per layer), and the counts of the blocks whose inversion
-was retried or kept its previous state. Each layer's refresh is one :class:`LayerRefresh`.
+refresh (its state and decisions per layer), the counts of the blocks whose inversion
+was retried or kept its previous state, and how many factors the last refresh computed
+anew. Each layer's refresh is one :class:`LayerRefresh`.
 """
 import dataclasses
 
+import keras
 import tensorflow as tf
 
+from tf_msopt.thor.block_diagonal import count_true
 from tf_msopt.thor.curvature_base import FactorDamping
 from tf_msopt.thor.execution import when
 
-__all__ = ["LayerRefresh", "Refresh"]
+__all__ = ["LayerRefresh", "NOT_REFRESHED", "Refresh"]
+
+#: ``bases_recomputed`` before the first refresh since THOR was built (or loaded: the count
+#: is no part of its saved state).
+NOT_REFRESHED = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +82,13 @@ class Refresh:
         self._factor_damping = (_pi_damping if options.experimental.pi_damping else
                                 _relative_damping if options.damping_mode == "relative" else None)
         self._assign, self._assign_add = assign, assign_add
-        self.damping_retries = self.failed_inverses = None
+        self.damping_retries = self.failed_inverses = self.bases_recomputed = None
+        #: How many factors a refresh considers (each layer's ``refreshed_state``).
+        self.factor_count = 0
+        #: Whether the refreshes traced from now on count the factors they compute anew: off
+        #: until THOR is asked (``count_refreshed_bases``), so a step without a monitor
+        #: traces no op for it.
+        self.counts_bases = False
 
     # --- state
 
@@ -90,9 +103,24 @@ class Refresh:
 
     def build_counters(self, add_variable):
         """Creates the counts of blocks whose inversion was retried and that kept their
-        previous state."""
+        previous state (optimizer state, with ``add_variable``), and of the factors the last
+        refresh computed anew (a variable of the strategy's, which no checkpoint holds: the
+        optimizer does not track it)."""
         self.damping_retries = add_variable((), "zeros", "damping_retries", "int64")
         self.failed_inverses = add_variable((), "zeros", "failed_inverses", "int64")
+        self.bases_recomputed = keras.Variable(NOT_REFRESHED, dtype="int64", trainable=False,
+                                               name="bases_recomputed")
+        self.factor_count = sum(len(self.preconditioner.refreshed_state(layer))
+                                for layer in self.layers)
+
+    def refreshed_bases(self):
+        """``(recomputed, kept)``: how many factors the last refresh computed anew and how
+        many it left as they were (int64 tensors); ``(0, 0)`` before the first refresh that
+        counted them (:attr:`counts_bases`) since THOR was built or loaded."""
+        recomputed = tf.convert_to_tensor(self.bases_recomputed)
+        refreshed = recomputed != NOT_REFRESHED
+        return (tf.where(refreshed, recomputed, 0),
+                tf.where(refreshed, self.factor_count - recomputed, 0))
 
     def trace_decisions(self):
         """``{block name: (refreshed, reused, frozen)}`` with the trace rule."""
@@ -114,7 +142,8 @@ class Refresh:
             self.averages.update_bucket(device_variable, bucket, statistics, g_scale)
         # The bias-corrected averages are read only where they are refreshed from.
         return when(self.due(), lambda: self.refresh(
-            self.averages.refreshes(bucket, statistics, g_scale), root_damping))
+            self.averages.refreshes(bucket, statistics, g_scale), root_damping,
+            first=bucket[0] == 0))
 
     # --- the refresh
 
@@ -126,13 +155,16 @@ class Refresh:
         return [dataclasses.replace(entry, damping=self._layer_damping(
             entry.layer.block, entry.a, entry.g, root_damping)) for entry in refreshes]
 
-    def refresh(self, refreshes, root_damping):
+    def refresh(self, refreshes, root_damping, first=True):
         """Refreshes the preconditioner of ``refreshes`` (undamped), where they are used
-        and the trace rule (if any) says so."""
+        and the trace rule (if any) says so; ``first``: the refresh's first bucket, whose
+        count of factors computed anew replaces the previous refresh's."""
         refreshes = self.with_damping(refreshes, root_damping)
         if self.trace_thresholds is None:
-            self._refresh_layers(refreshes)
+            self._refresh_layers(refreshes, first)
             return tf.constant(True)
+        if first and self.counts_bases:    # each layer the rule refreshes adds to the count
+            self._assign(self.bases_recomputed, tf.zeros([], tf.int64))
         for entry in refreshes:
             refresh = self._trace_rule(entry.layer, entry.layer.block.damped_trace(
                 entry.a, entry.g, entry.damping, self.options.block_size), entry.use)
@@ -141,17 +173,23 @@ class Refresh:
                     self._refresh_layers([decided]), lambda: tf.constant(False))
         return tf.constant(True)
 
-    def _refresh_layers(self, refreshes):
-        """The preconditioner's refresh of ``refreshes``, its failures counted."""
-        retried, kept, _ = self.preconditioner.refresh(refreshes, self._assign)
-        return self.count_failures(None, retried, kept)
+    def _refresh_layers(self, refreshes, first=False):
+        """The preconditioner's refresh of ``refreshes``, counted."""
+        retried, kept, recomputed = self.preconditioner.refresh(refreshes, self._assign)
+        return self.count(None, retried, kept,
+                          count_true(recomputed) if self.counts_bases else None, first)
 
-    def count_failures(self, device_variable, retried, kept):
+    def count(self, device_variable, retried, kept, recomputed=None, first=False):
         """Adds the blocks a refresh retried (None: the preconditioner retries none) and
-        kept to the counts (on the device of ``device_variable``, if any)."""
+        kept to the counts, and the factors it ``recomputed`` (None: the bases are not
+        counted) to this refresh's (``first``: as its first bucket, in place of the previous
+        refresh's), on the device of ``device_variable``, if any."""
         if retried is not None:
             self._assign_add(self.damping_retries, retried)
         self._assign_add(self.failed_inverses, kept)
+        if recomputed is not None:
+            (self._assign if first else self._assign_add)(
+                self.bases_recomputed, tf.cast(recomputed, tf.int64))
         return tf.constant(True)
 
     def _layer_damping(self, block, a, g, root_damping):

@@ -11,6 +11,7 @@ import os
 
 import tensorflow as tf
 
+from tf_msopt.thor.block_diagonal import count_true
 from tf_msopt.thor.execution import (TracedOnce, balanced_owners, device_of,
                                      gather_device_values, on_each_device, replica_ids,
                                      sum_device_values, when)
@@ -69,8 +70,9 @@ class ReplicaDivision:
         """One bucket's layers (indices ``bucket``, statistics ``summed`` over replicas,
         ``first`` a variable of its first layer) with the refresh divided: the averages on
         every device, each layer's refresh on the replica that owns it, one all-reduce of
-        whether the replicas' refreshes computed anything and of their counts, and, where
-        any did, one all-gather that hands every replica all of the refreshed state."""
+        whether the replicas' refreshes computed anything (how many factors, where the
+        bases are counted) and of their counts, and, where any did, one all-gather that
+        hands every replica all of the refreshed state."""
         if self.averages.statistics_decay is not None:
             on_each_device(distribution, first, self.traced_averages,
                            (bucket, summed, g_scale))
@@ -87,7 +89,9 @@ class ReplicaDivision:
             distribution.extended.update(first.value, part, group=False, args=(
                 replicas, bucket, summed, root_damping, g_scale))
             changed, retried, kept = tf.unstack(sum_device_values(distribution, summaries))
-            on_each_device(distribution, first, self.refresh.count_failures, (retried, kept))
+            recomputed = changed if self.refresh.counts_bases else None
+            on_each_device(distribution, first, self.refresh.count,
+                           (retried, kept, recomputed, bucket[0] == 0))
 
             def hand_around():
                 flat = {}
@@ -115,15 +119,19 @@ class ReplicaDivision:
     def _refresh_part(self, replica, replicas, bucket, statistics, root_damping, g_scale):
         """This replica's share of one bucket's refresh: the refreshed state of the layers
         it owns, in layer order, and ``(changed, retried, kept)``: whether any of it was
-        computed anew, and the counts of blocks retried and kept."""
+        computed anew (how many factors, where the bases are counted), and the counts of
+        blocks retried and kept."""
         owned = self._owned(replica, replicas, bucket)
         refreshes = self.averages.refreshes(
             owned, [statistics[bucket.index(index)] for index in owned], g_scale)
         values, retried, kept, changed = {}, 0, 0, False
         if refreshes:
-            retried, kept, changed = self.preconditioner.refresh(
+            retried, kept, recomputed = self.preconditioner.refresh(
                 self.refresh.with_damping(refreshes, root_damping),
                 lambda variable, value: values.__setitem__(id(variable), value))
+            # Either fills the same slot of the all-reduce: its size and order do not change.
+            changed = (count_true(recomputed) if self.refresh.counts_bases
+                       else tf.reduce_any(recomputed))
         state = [values[id(variable)] for index in owned
                  for variable in self.preconditioner.refreshed_state(self.layers[index])]
         return state, tf.stack([tf.cast(count, tf.float32) for count in (

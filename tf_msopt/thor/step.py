@@ -48,9 +48,19 @@ class StepSchedule:
     def is_refresh_step(self):
         return self._every(self.options.frequency)
 
+    def refreshes(self, steps):
+        """How many of the first ``steps`` updates refreshed: steps 0, F, 2F, ... (every
+        statistics step refreshes where there is no moving average, and those steps are
+        these)."""
+        return (steps + self.options.frequency - 1) // self.options.frequency
+
+    def damping(self, step=None):
+        """``lambda`` at ``step``, this step where None."""
+        return value_at_step(self.options.damping, self.step() if step is None else step)
+
     def root_damping(self):
         """``sqrt(lambda)`` at this step."""
-        return tf.sqrt(tf.cast(value_at_step(self.options.damping, self.step()), tf.float32))
+        return tf.sqrt(tf.cast(self.damping(), tf.float32))
 
     def bias_correction(self, graft):
         """Adam's bias correction at this step for the graft's and the eigenbasis's second

@@ -1,6 +1,7 @@
 """Renders the benchmark tables of docs/performance.md, docs/convergence.md,
-docs/thor_measurements.md and docs/adam_offload.md from benchmarks/results/, and docs/thor.md's
-table of THOR's options from their entries in the code.
+docs/thor_measurements.md, docs/adam_offload.md, docs/distributed.md and docs/thor_monitor.md
+from benchmarks/results/, and docs/thor.md's table of THOR's options from their entries in the
+code.
 
 Each table sits between two marker comments in a page::
 
@@ -30,7 +31,7 @@ ROOT = os.path.dirname(HERE)
 RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", page)
          for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md",
-                      "adam_offload.md", "distributed.md")]
+                      "adam_offload.md", "distributed.md", "thor_monitor.md")]
 TASKS = ("mlp", "cnn", "mnist1d", "transformer")
 # benchmarks/convergence.py's tasks measured after the first four, and its blocks beside the
 # tuned grids: their files are optional until measured.
@@ -399,6 +400,18 @@ def render_loss_scale_step(results):
                   rows) + machine_line(r, files=["loss_scale_step.json"]))
 
 
+def render_thor_monitor(results):
+    r = load("thor_monitor.json", results)
+    names = {"without": "without the monitor", "monitor": "`Monitor()`",
+             "monitor_every_10": f"`Monitor(update_freq={r['update_freq']})`"}
+    base = r["ms_per_epoch"]["without"]
+    rows = [[names[case], f"{ms:.0f}", f"{ms / base:.3f}x"]
+            for case, ms in r["ms_per_epoch"].items()]
+    return (table([f"MLP 784-{r['hidden']}-{r['hidden']}-10, `mso.thor(model)`, batch "
+                   f"{r['batch']}, {r['steps_per_epoch']} batches", "ms per epoch",
+                   "vs without"], rows) + machine_line(r, files=["thor_monitor.json"]))
+
+
 # --- convergence
 
 STATE_DTYPE_RUNS = {"AdamOffload": "float32", "AdamOffload-bf16": "bfloat16",
@@ -747,6 +760,7 @@ TABLES = {  # name: (renderer, the results files it reads)
                             [results_file(task, "heldout") for task in ALL_TASKS]),
     "state_dtype": (render_state_dtype, [results_file("charlm", "state_dtype")]),
     "thor_arguments": (render_thor_arguments, []),
+    "thor_monitor": (render_thor_monitor, ["thor_monitor.json"]),
 }
 OPTIONAL = sorted({results_file(task) for task in NEW_TASKS} | {LOWEST_LOSS_FILE}
                   | {results_file(task, block) for task in ALL_TASKS for block in BLOCKS})

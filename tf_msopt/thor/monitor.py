@@ -62,10 +62,10 @@ class Monitor(keras.callbacks.Callback):
 
     The refresh count follows ``iterations`` and the two counts of blocks are optimizer
     state, so all three survive a resume. THOR counts the factors of a refresh only once
-    asked (``optimizer.readings.count_refreshed_bases()``,
-    :class:`~tf_msopt.thor.readings.RefreshReadings`, which the monitor calls at the start of ``fit``; without it the step traces no
-    operation for the count): those two read 0 until the first refresh of a ``fit`` with
-    a monitor, are not saved, and read 0 again after a resume until its first refresh.
+    asked (``optimizer.readings.count_refreshed_bases()``, which the monitor calls at the
+    start of ``fit``; without it the step traces no operation for the count): those two
+    read 0 until the first refresh of a ``fit`` with a monitor, are not saved, and read 0
+    again after a resume until its first refresh.
 
     The values are read only where they are logged: on TensorFlow, Keras runs the
     callbacks of a batch on the training thread once its step has run, so the other

@@ -70,10 +70,9 @@ class THOR(MindSporeOptimizer):
         jit_compile: run each variable's update as one XLA function.
 
     References:
-        Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented Natural
-        Gradient Descent Computation. AAAI 2021. Vyas et al. SOAP: Improving and Stabilizing
-        Shampoo using Adam. ICLR 2025. Liang et al. Cautious Optimizers: Improving Training
-        with One Line of Code. arXiv:2411.16085, 2024.
+        Chen, Mingcong et al. THOR, Trace-based Hardware-driven layer-ORiented Natural Gradient
+        Descent Computation. AAAI 2021. Vyas et al. SOAP: Improving and Stabilizing Shampoo
+        using Adam. ICLR 2025. Liang et al. Cautious Optimizers. arXiv:2411.16085, 2024.
     """
 
     def __init__(self, learning_rate, damping, momentum, *, layers=None, name=None,

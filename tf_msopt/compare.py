@@ -161,7 +161,8 @@ def without_data_autotuning():
 
 def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, verbose,
               callbacks=()):
-    from tf_msopt.thor.monitor import Monitor, monitored_thor
+    from tf_msopt.thor.monitor import Monitor
+    from tf_msopt.thor.optimizer import wrapped_thor
 
     x_train, x_val, y_train, y_val = data
     keras.utils.set_random_seed(seed)
@@ -170,7 +171,7 @@ def train_one(kind, factory, data, initial_weights, epochs, batch_size, seed, ve
     model.compile(optimizer=factory(model), loss="sparse_categorical_crossentropy",
                   metrics=["accuracy"])
     clock = _EpochClock()     # first: the epoch's time leaves out the monitor's reads
-    monitor = [Monitor()] if monitored_thor(model.optimizer) is not None else []
+    monitor = [Monitor()] if wrapped_thor(model.optimizer) is not None else []
     with without_data_autotuning():
         history = model.fit(x_train, y_train, batch_size=batch_size, epochs=epochs,
                             validation_data=(x_val, y_val),

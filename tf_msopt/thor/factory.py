@@ -17,8 +17,8 @@ import inspect
 
 from tf_msopt._validation import check_choice, type_name
 from tf_msopt.thor.experimental import split_experimental
-from tf_msopt.thor.model_link import check_model, wrapped_optimizers
-from tf_msopt.thor.optimizer import THOR
+from tf_msopt.thor.model_link import check_model
+from tf_msopt.thor.optimizer import THOR, wrapped_thor
 from tf_msopt.thor.options import OPTIONS, SAME, default_configuration
 
 __all__ = ["DEFAULTS", "connect", "thor"]
@@ -104,13 +104,13 @@ def connect(model):
     calls :meth:`THOR.connect`. Returns the THOR optimizer.
     """
     compiled = getattr(model, "optimizer", None)
-    found = [o for o in wrapped_optimizers(compiled) if isinstance(o, THOR)]
-    if not found:
+    found = wrapped_thor(compiled)
+    if found is None:
         raise ValueError(
             f"For '{_OWNER}', the model has no THOR optimizer to connect (its optimizer is "
             f"'{type_name(compiled)}'); compile it with one first."
         )
-    return found[0].connect(model)
+    return found.connect(model)
 
 
 thor.connect = connect

@@ -6,19 +6,13 @@ import tensorflow as tf
 
 from tf_msopt._validation import type_name
 from tf_msopt.thor.model_link import wrapped_optimizers
-from tf_msopt.thor.optimizer import THOR
+from tf_msopt.thor.optimizer import wrapped_thor
 
-__all__ = ["Monitor", "monitored_thor", "thor_state"]
+__all__ = ["Monitor", "thor_state"]
 
 #: The names of the values it logs, in the order ``compare`` prints them.
 LOGGED = ("thor_kl_factor", "thor_damping", "thor_refreshes", "thor_bases_recomputed",
           "thor_bases_kept", "thor_damping_retries", "thor_failed_inverses")
-
-
-def monitored_thor(optimizer):
-    """The THOR that ``optimizer`` is or wraps (a LossScaleOptimizer's ``inner_optimizer``);
-    None where there is none."""
-    return next((o for o in wrapped_optimizers(optimizer) if isinstance(o, THOR)), None)
 
 
 def thor_state(thor):
@@ -105,7 +99,7 @@ class Monitor(keras.callbacks.Callback):
         self._thor, self._batches = None, 0
 
     def on_train_begin(self, logs=None):
-        self._thor = monitored_thor(self.model.optimizer)
+        self._thor = wrapped_thor(self.model.optimizer)
         if self._thor is None:
             found = " around ".join(f"'{type_name(o)}'" for o in
                                     wrapped_optimizers(self.model.optimizer))

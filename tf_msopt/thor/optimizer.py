@@ -23,13 +23,13 @@ from tf_msopt.thor.execution import on_each_device
 from tf_msopt.thor.experimental import split_experimental
 from tf_msopt.thor.grafting import AdamGraft
 from tf_msopt.thor.loss_scale_link import LossScaleLink
-from tf_msopt.thor.model_link import ModelLink, check_model
+from tf_msopt.thor.model_link import ModelLink, check_model, wrapped_optimizers
 from tf_msopt.thor.preconditioners import PRECONDITIONERS
 from tf_msopt.thor.readings import RefreshReadings
 from tf_msopt.thor.step import StepSchedule, ThorStep, check_accumulation
 from tf_msopt.thor.step_modifiers import KLClip
 
-__all__ = ["THOR"]
+__all__ = ["THOR", "wrapped_thor"]
 
 _OWNER = "THOR"
 
@@ -285,6 +285,12 @@ class THOR(MindSporeOptimizer):
         return super().from_config(dict(config, experimental=experimental),
                                    custom_objects=custom_objects)
 
+
+
+def wrapped_thor(optimizer):
+    """The THOR that ``optimizer`` is or wraps (a LossScaleOptimizer's ``inner_optimizer``);
+    None where there is none."""
+    return next((o for o in wrapped_optimizers(optimizer) if isinstance(o, THOR)), None)
 
 THOR.__init__.__signature__ = thor_options.signature(
     inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD), trailing=[

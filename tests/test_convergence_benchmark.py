@@ -496,6 +496,7 @@ def _run_main(path, *args):
         return json.load(f)["tasks"]["tiny"]
 
 
+@pytest.mark.slow
 def test_each_block_runs_from_the_command_line(tiny_task, default_thor, tmp_path, capsys):
     path = str(tmp_path / "r.json")
     tuned = _run_main(path, "--optimizers", "Adam,Muon")
@@ -555,6 +556,7 @@ def test_a_later_defaults_or_robustness_file_replaces_an_optimizers_points(tmp_p
     assert merged["thor_defaults"] == {"graft": "adam", "cautious": "sequence"}
 
 
+@pytest.mark.slow
 def test_charlm_trains_on_a_subset_and_is_judged_by_its_loss(tmp_path):
     path = str(tmp_path / "charlm.json")
     convergence.main(["--task", "charlm", "--block", "defaults", "--seeds", "0", "--max-epochs",
@@ -590,6 +592,7 @@ def test_heldout_compares_the_default_with_thors_best_tuned_settings_on_other_se
         "best_first_order": {"optimizer": "Adam", "setting": "c", "epochs": 8}}
 
 
+@pytest.mark.slow
 def test_heldout_block_reruns_the_tuned_best_settings_on_other_seeds(
         tiny_task, default_thor, monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(convergence.THOR_GRIDS["THOR-graft"], "tiny", ((0.01,), (0.1, 0.3)))

@@ -21,6 +21,7 @@ def _data():
             rng.integers(0, 3, size=16).astype("int32"))
 
 
+@pytest.mark.slow
 def test_the_cases_leave_out_the_refresh_and_the_statistics():
     x, y = _data()
     changed = {}

@@ -19,6 +19,7 @@ ALL_OPTIMIZERS = {"THOR", "LARS", "AdamOffload", "AddSign", "PowerSign", "SGD-mo
                   "Muon"}
 
 
+@pytest.mark.slow
 def test_compare_trains_every_optimizer_on_both_models_and_writes_the_plots(tmp_path, capsys):
     results = compare(epochs=2, output_dir=str(tmp_path), verbose=0, target_accuracy=0.5)
     assert set(results) == {"mlp", "cnn"}
@@ -107,6 +108,7 @@ def test_cli_rejects_bad_arguments_before_training(arguments, message, capsys):
     assert message in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_console_script_is_installed_and_runs(tmp_path):
     script = os.path.join(os.path.dirname(sys.executable), "tf-msopt")
     out = subprocess.run([script, "compare", "--models", "mlp", "--optimizers", "PowerSign",
@@ -134,6 +136,7 @@ def test_cli_status_prints_versions_then_the_op_status(capsys):
     assert status == mso.ops.custom_ops_status()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, expected", [
     ("sign_optimizers.py", "final validation accuracy"),
     ("lars_large_batch.py", "final test accuracy"),

@@ -26,6 +26,7 @@ def python_blocks(page):
         return FENCE.findall(f.read())
 
 
+@pytest.mark.slow
 @pytest.mark.once
 def test_mkdocs_build_is_strict_and_warning_free(tmp_path):
     result = subprocess.run(

@@ -77,6 +77,7 @@ def test_the_installed_versions_pass():
     compat.check()
 
 
+@pytest.mark.slow
 def test_import_fails_loudly_with_the_keras_version():
     """A fresh process where Keras lost a private method: ``import tf_msopt`` raises with the
     name and the version, before anything could train with wrong numbers."""

@@ -92,6 +92,7 @@ def test_fit_under_mirrored_strategy_matches_one_device(two_cpu_strategy):
             np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=f"step {step}")
 
 
+@pytest.mark.slow
 def test_multi_worker_inf_on_either_worker_skips_the_step_on_both():
     results = run_workers("""
         import json

@@ -66,6 +66,7 @@ def test_checkpoint_restores_scale_counters_and_resumes_identically(tmp_path, un
     _assert_same_trace(loss_scale_trace(restored, batches[STOP:]), uninterrupted[STOP:])
 
 
+@pytest.mark.slow
 def test_keras_file_loads_in_fresh_process_and_resumes_identically(tmp_path, uninterrupted):
     model = compiled_model()
     loss_scale_trace(model, overflow_batches()[:STOP])

@@ -308,6 +308,7 @@ def _nvcc():
     return nvcc
 
 
+@pytest.mark.slow
 def test_nvcc_compiles_the_cuda_kernel(tmp_path):
     """CI has no GPU: compile-only for the oldest and the newest targets CUDA 13 supports here."""
     result = subprocess.run(
@@ -318,6 +319,7 @@ def test_nvcc_compiles_the_cuda_kernel(tmp_path):
     assert (tmp_path / "kernel.o").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_setup_builds_cpu_only_when_the_cuda_build_fails(tmp_path):
     """A failing nvcc (an architecture CUDA 13 dropped) must not fail the build."""
     _nvcc()

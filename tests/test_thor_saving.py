@@ -79,6 +79,7 @@ def test_export_during_fit_serves_predict_and_leaves_training_unchanged(tmp_path
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_export_example_serves_without_tf_msopt():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     result = subprocess.run([sys.executable, "examples/thor_export.py", "--epochs", "1"],

@@ -477,6 +477,7 @@ def test_non_finite_statistics_keep_previous_eigenvectors():
         variable.shape[0] for variable in g_vectors if len(variable.shape) == 3)
 
 
+@pytest.mark.slow
 def test_example_runs():
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONPATH=REPO_ROOT)
     result = subprocess.run([sys.executable, "examples/thor_cnn.py", "--epochs", "1"],

@@ -7,8 +7,8 @@ doing the same by hand gives, and saving, distribution, XLA and variable kinds m
 the result. Where a feature cannot apply (AdamOffload under XLA) the test checks the error
 says why.
 
-Cases whose code differs without the compiled custom ops are marked ``ops_path``: ``make
-test``'s kill-switch pass runs only those.
+Cases whose code differs without the compiled custom ops are marked ``ops_path``: the
+kill-switch passes of ``make test`` and ``make test-all`` run only those.
 """
 import contextlib
 import functools

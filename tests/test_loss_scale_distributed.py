@@ -76,6 +76,7 @@ def _fit_trace(strategy, batches):
     return trace.steps
 
 
+@pytest.mark.equivalence
 def test_fit_under_mirrored_strategy_matches_one_device(two_cpu_strategy):
     # the overflowing target of steps 2 and 6 is the batch's last sample: replica 1 only
     # (Keras' own LossScaleOptimizer writes it into the weights)

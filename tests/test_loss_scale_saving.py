@@ -95,6 +95,7 @@ def test_keras_file_loads_in_fresh_process_and_resumes_identically(tmp_path, uni
     _assert_same_trace(result["trace"], uninterrupted[STOP:])
 
 
+@pytest.mark.equivalence
 def test_backup_and_restore_resumes_an_interrupted_fit_with_the_loss_scale_state(tmp_path):
     x, y = (np.concatenate(parts) for parts in zip(*overflow_batches()))
 

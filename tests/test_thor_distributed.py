@@ -8,6 +8,8 @@ from test_thor_training import assert_weights_close, mixed_data, mixed_model
 
 import tf_msopt as mso
 
+pytestmark = pytest.mark.equivalence
+
 
 def train(strategy, wrap=None, split_indices=None, steps=6, **options):
     """``steps`` steps of 16 examples, frequency 3: THOR steps 0 and 3, four stale steps."""

@@ -172,6 +172,7 @@ def test_transposed_separable_and_grouped_convolutions_are_kronecker_factored():
     assert "A 3x3 in 1 block(s), G 9x9 in 1 block(s)" in text       # out: 3 in, 3x3x1 out
 
 
+@pytest.mark.equivalence
 def test_convolution_kinds_two_replicas_loss_scaling_and_xla_equal_one_device(
         two_cpu_strategy):
     """The default on transposed, separable and grouped convolutions: two replicas on the
@@ -185,6 +186,7 @@ def test_convolution_kinds_two_replicas_loss_scaling_and_xla_equal_one_device(
         assert_weights_close(other.get_weights(), plain.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.equivalence
 def test_convolution_kinds_resume_exactly(tmp_path):
     whole, _ = autoencoder_run()
     model, _ = autoencoder_run(steps=3)
@@ -455,6 +457,7 @@ def volume_model(dilation=1, size=6):
                                      activation="sigmoid", name="up")])
 
 
+@pytest.mark.equivalence
 def test_3d_convolutions_two_replicas_equal_one_device(two_cpu_strategy):
     """Conv3D and Conv3DTranspose kernels are Kronecker-factored; the default trains them
     alike on one device and on two replicas."""

@@ -78,6 +78,7 @@ def keras_file_run(keras_file):
     return keras_file[1]
 
 
+@pytest.mark.equivalence
 def test_keras_file_resumes_as_the_file_the_current_code_saves_from_it(
         keras_file_run, tmp_path):
     path = str(tmp_path / "current.keras")
@@ -85,6 +86,7 @@ def test_keras_file_resumes_as_the_file_the_current_code_saves_from_it(
     assert_same_run(resumed(load_keras_file(path)), keras_file_run)
 
 
+@pytest.mark.equivalence
 def test_checkpoint_resumes_as_the_keras_file_and_as_a_current_checkpoint(
         keras_file_run, tmp_path):
     model = restore_checkpoint(CHECKPOINT)

@@ -597,6 +597,7 @@ def assert_states_close(got, want, rtol):
 
 
 @pytest.mark.parametrize("options", ALL.values(), ids=ALL.keys())
+@pytest.mark.equivalence
 def test_two_replicas_equal_one_device(two_cpu_strategy, options):
     """Every option under a LossScaleOptimizer: two replicas on 16 examples per step equal
     one device (the sampled Fisher's replicas draw what one device draws)."""
@@ -621,6 +622,7 @@ def test_two_replicas_equal_one_device(two_cpu_strategy, options):
                if counts.dtype == np.int64)          # the trace rule kept some inverses
 
 
+@pytest.mark.equivalence
 def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
     """The replicas draw the labels one device draws on the global batch (each counts its
     elements from its share's offset); G is the sum over both replicas' rows, as NumPy
@@ -645,6 +647,7 @@ def test_sampled_fisher_with_two_replicas(two_cpu_strategy):
 
 
 @pytest.mark.parametrize("options", ALL.values(), ids=ALL.keys())
+@pytest.mark.equivalence
 def test_save_load_resumes_exactly(tmp_path, options):
     """Saved at a step between statistics/inverse steps, loaded and connected: the option
     state is restored and training goes on exactly as without the interruption."""
@@ -667,6 +670,7 @@ def test_save_load_resumes_exactly(tmp_path, options):
 
 
 @pytest.mark.parametrize("options", ALL.values(), ids=ALL.keys())
+@pytest.mark.equivalence
 def test_xla_update_equals_plain(options):
     """Every option on: ``jit_compile=True`` (the KL-clipped update of all variables as one
     XLA function) and an XLA-compiled train step give what the plain graph gives; with the

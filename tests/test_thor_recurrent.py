@@ -230,6 +230,7 @@ def default_run(kind, steps=6, strategy=None, wrap=None, masked=False, **compile
 
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.equivalence
 def test_default_two_replicas_under_loss_scaling_equal_one_device(two_cpu_strategy, kind):
     """The default configuration inside a LossScaleOptimizer: two replicas on the global
     batch equal one device, and both equal the unscaled run."""
@@ -242,6 +243,7 @@ def test_default_two_replicas_under_loss_scaling_equal_one_device(two_cpu_strate
     assert_weights_close(mirrored.get_weights(), plain.get_weights(), rtol=1e-5)
 
 
+@pytest.mark.equivalence
 def test_default_masked_sequences_two_replicas_and_xla_equal_one_device(two_cpu_strategy):
     """Masked sequences in the default configuration: two replicas on the global batch, and
     an XLA-compiled step, equal one device."""
@@ -253,6 +255,7 @@ def test_default_masked_sequences_two_replicas_and_xla_equal_one_device(two_cpu_
 
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.equivalence
 def test_default_xla_train_step_equals_plain(kind):
     plain, _ = default_run(kind)
     compiled, _ = default_run(kind, jit_compile=True)
@@ -260,6 +263,7 @@ def test_default_xla_train_step_equals_plain(kind):
 
 
 @pytest.mark.parametrize("kind", ["GRU", "LSTM"])
+@pytest.mark.equivalence
 def test_default_resumes_exactly(tmp_path, kind):
     """Saved after 3 steps, loaded, connected and trained 3 more: the weights and THOR's
     state of 6 uninterrupted steps, bit for bit."""

@@ -31,6 +31,7 @@ def steps(model, first, count):
         model.train_on_batch([x[0][8 * i:8 * i + 8], x[1][8 * i:8 * i + 8]], y[8 * i:8 * i + 8])
 
 
+@pytest.mark.equivalence
 def test_loaded_model_resumes_second_order_after_connect(tmp_path):
     """In-process: the loaded inverses are used (not reset to identity) once connected."""
     model, optimizer = make(frequency=100)

@@ -120,6 +120,7 @@ def test_gradient_accumulation_updates_as_the_larger_batch(default, options):
     assert not np.allclose(whole.get_weights()[0], mixed_model().get_weights()[0])
 
 
+@pytest.mark.equivalence
 def test_gradient_accumulation_resumes_exactly_within_a_cycle(tmp_path):
     """Saved after the first step of an accumulation cycle, the statistics it captured are
     saved with the gradients Keras accumulated: the resumed run ends as the uninterrupted."""
@@ -146,6 +147,7 @@ def test_gradient_accumulation_under_two_replicas_is_refused(two_cpu_strategy):
         model.fit(*mixed_data(16), batch_size=8, epochs=1, verbose=0)
 
 
+@pytest.mark.equivalence
 def test_xla_train_step_equals_plain():
     """Compiled with XLA, the step gives the plain step's weights; only a refresh compiled
     with it (the whole step, not THOR's per-update ``jit_compile``), on a host without a

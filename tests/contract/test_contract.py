@@ -153,6 +153,7 @@ def test_keras_files_load_in_one_fresh_process_safe_mode_and_resume_exactly(tmp_
 
 
 @case
+@pytest.mark.equivalence
 def test_checkpoint_restores_and_resumes_exactly(case, tmp_path):
     model = C.mlp()
     optimizer = C.make(case, model)
@@ -220,6 +221,7 @@ def _fit_weights(case, strategy=None, xla_step=False, steps=2, **kwargs):
 
 
 @case
+@pytest.mark.equivalence
 def test_mirrored_strategy_equals_one_device(case, two_cpu_strategy):
     want = list(_one_device_fit(case))
     got = _fit_weights(case, two_cpu_strategy)
@@ -242,6 +244,7 @@ def test_created_outside_the_strategy_scope_is_refused_clearly(case, two_cpu_str
 
 
 @case
+@pytest.mark.equivalence
 def test_jit_compile_on_equals_off(case):
     if "adam_offload" in case:
         # Host state cannot live in an XLA step: both switches say so.
@@ -402,6 +405,7 @@ def test_exclude_from_weight_decay(case, form):
 
 @case
 @pytest.mark.parametrize("form", ["var_names", "var_list"])
+@pytest.mark.equivalence
 def test_exclude_from_weight_decay_inside_strategy_run(case, form, two_cpu_strategy):
     """Keras' distributed weight-decay test: each replica configures the exclusion inside
     ``strategy.run`` and then applies (the optimizer builds once every replica has

@@ -103,6 +103,7 @@ def _documented_results():
     return tasks
 
 
+@pytest.mark.slow
 def test_documented_results_are_the_declared_grids_with_best_settings_inside():
     """docs/convergence.md's tables come from exactly the settings of THOR_GRIDS,
     FIRST_ORDER_RATES and KFAC_JAX_GRIDS, so that a regeneration reruns what is shown, and

@@ -237,6 +237,7 @@ SEPARABLE_OPTIONS = {
 
 
 @pytest.mark.parametrize("options", SEPARABLE_OPTIONS.values(), ids=SEPARABLE_OPTIONS.keys())
+@pytest.mark.equivalence
 def test_separable_convolution_trains_as_depthwise_then_pointwise(two_cpu_strategy, options):
     """A SeparableConv2D's two blocks are the DepthwiseConv2D's and the 1x1 Conv2D's of the
     same computation: the same weights on one device and on two replicas (to the bit where
@@ -294,6 +295,7 @@ SHARED_OPTIONS = {
 
 
 @pytest.mark.parametrize("options", SHARED_OPTIONS.values(), ids=SHARED_OPTIONS.keys())
+@pytest.mark.equivalence
 def test_shared_layer_trains_as_one_call_on_every_input(two_cpu_strategy, options):
     """A layer called on two inputs (shared weights) counts the rows of both calls: the
     weights of one call on both inputs stacked, on one device and on two replicas."""

@@ -710,6 +710,7 @@ def _keras_dynamic(optimizer):
     (GRAFTED_ALL, (_mso_dynamic, _keras_dynamic)),
     (EIGENBASIS_ALL, (_mso_dynamic, _keras_dynamic)),
 ], ids=["empirical", "sampled", "grafted", "eigenbasis"])
+@pytest.mark.equivalence
 def test_loss_scale_optimizers_leave_g_unscaled(options, wrappers):
     """Inside tf_msopt's and Keras' LossScaleOptimizer (dynamic scales): the same averaged G,
     KL factor, trace decisions and weights as without loss scaling."""

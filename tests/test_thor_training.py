@@ -109,6 +109,7 @@ def assert_weights_close(got, want, rtol=1e-5):
     (False, {}), (True, {}),
     (True, dict(statistics_rows=72)),   # every 2nd example's 9 convolution rows of 16
 ], ids=["mindspore", "default", "subsampled"])
+@pytest.mark.equivalence
 def test_gradient_accumulation_updates_as_the_larger_batch(default, options):
     """Two accumulated steps of 8 examples update as one step of 16: THOR sums their
     statistics as Keras averages their gradients (and subsamples them as the whole
@@ -189,6 +190,7 @@ def plain_weights():
         optimizer, initial_scale=2.0 ** 10, dynamic_growth_steps=2)),   # found via the model
     dict(loss_scale_factor=64.0),                      # Keras' own argument
 ], ids=["dynamic", "fixed_no_drop", "keras_wrapper", "loss_scale_factor"])
+@pytest.mark.equivalence
 def test_loss_scale_is_undone_in_g(scaling):
     assert_weights_close(train_mixed(**scaling).get_weights(), plain_weights())
 

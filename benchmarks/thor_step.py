@@ -352,7 +352,8 @@ def scale_out_worker(args):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = build_model()
-            optimizer = mso.thor(model, frequency=args.frequency)
+            # (the refresh alone divided: benchmarks/thor_workers.py times the divided step)
+            optimizer = mso.thor(model, frequency=args.frequency, replica_division="refresh")
             optimizer.build(model.trainable_variables)
 
         @tf.function

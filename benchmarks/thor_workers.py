@@ -24,8 +24,6 @@ and ``transformer`` are ``benchmarks/thor_step.py``'s. The last line printed is 
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -37,7 +35,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from thor_step import BUILDERS  # noqa: E402
-from timing import emit, machine  # noqa: E402
+from timing import (emit, local_environment, machine, run_processes,  # noqa: E402
+                    worker_environments)
 
 MODES = {"step": "step", "refresh": "refresh", "none": None}
 PHASES = ("filling", "settled")
@@ -140,39 +139,13 @@ def run(args):
         f"--{key}={getattr(args, key)}" for key in (
             "model", "hidden", "depth", "batch", "frequency", "rounds", "classes")]
 
-    def collect(processes):
-        results = []
-        try:
-            for process in processes:
-                stdout, stderr = process.communicate(timeout=3600)
-                if process.returncode != 0:
-                    raise SystemExit(f"a process failed:\n{stderr[-4000:]}")
-                results.append(json.loads(stdout.strip().splitlines()[-1]))
-        finally:   # a failed worker leaves the others waiting in a collective
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-        return results
+    def launch(kind, envs):
+        return run_processes(command + [f"--kind={kind}"], envs)
 
-    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-
-    def launch(kind, extra_env=None):
-        return subprocess.Popen(command + [f"--kind={kind}"], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
-                                env=dict(env, **(extra_env or {})))
-
-    ports = []
-    for _ in range(args.workers):
-        with socket.socket() as sock:
-            sock.bind(("localhost", 0))
-            ports.append(sock.getsockname()[1])
-    cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    before = collect([launch("one")])[0]
-    workers = collect([launch("workers", {"TF_CONFIG": json.dumps({
-        "cluster": cluster, "task": {"type": "worker", "index": index}})})
-        for index in range(args.workers)])
-    mirrored = collect([launch("mirrored")])[0]
-    after = collect([launch("one")])[0]
+    before = launch("one", [local_environment()])[0]
+    workers = launch("workers", worker_environments(args.workers))
+    mirrored = launch("mirrored", [local_environment()])[0]
+    after = launch("one", [local_environment()])[0]
     runs = [run["cases"]["one process"] for run in (before, after)]
     one = {phase: {"step_ms": (runs[0][phase]["step_ms"] + runs[1][phase]["step_ms"]) / 2}
            for phase in PHASES if phase in runs[0] and phase in runs[1]}

@@ -12,6 +12,7 @@ replica would have computed.
 """
 import tensorflow as tf
 
+from tf_msopt._common import in_xla_context
 from tf_msopt.thor.execution import (device_of, gather_device_values, on_each_device,
                                      replica_ids)
 
@@ -46,10 +47,14 @@ class DividedStep:
 
         def part(component, shares):   # (shares: each gradient as it is on this device)
             replica = ids[device_of(component)]
-            share = shares[replica]
-            parts[replica] = self.step.run(
-                ("divided step", id(component), *(index for index, _, _ in share)),
-                self._owned_part, [(index, gradient) for index, gradient, _ in share])
+            indices = [index for index, _, _ in shares[replica]]
+
+            def owned(gradients):
+                return self._owned_part(list(zip(indices, gradients)))
+            if self.step.compile_update is not None and not in_xla_context():
+                owned = self.step.compile_update(("divided step", id(component), *indices),
+                                                 owned)
+            parts[replica] = owned([gradient for _, gradient, _ in shares[replica]])
             return tf.constant(True)
 
         distribution.extended.update(anchor.value, part, args=(shares,), group=False)

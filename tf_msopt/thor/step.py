@@ -240,24 +240,21 @@ class ThorStep:
         return on_each_device(distribution, self.kl_clip.variable, self.clipped_update,
                               (indexed, learning_rate))
 
-    def run(self, key, fn, *args):
-        """``fn(*args)``; with ``jit_compile``, as one XLA function made once per ``key``."""
-        if self.compile_update is None or in_xla_context():
-            return fn(*args)
-        return self.compile_update(key, fn)(*args)
-
     def clipped_update(self, kl_factor, indexed, learning_rate, preconditioned=None):
         """:meth:`_clipped_update` on one device (``kl_factor``: this device's component of
         the KL clip's variable; ``preconditioned``: ``{index: direction}`` of the kernels
         whose owners computed them), one XLA function with ``jit_compile``."""
+        preconditioned = preconditioned or {}
+        if self.compile_update is None or in_xla_context():
+            return self._clipped_update(kl_factor, indexed, learning_rate, preconditioned)
         indices, variables = [i for i, _, _ in indexed], [v for _, _, v in indexed]
-        given = sorted(preconditioned or {})
-
-        def update(gradients, learning_rate, directions):
-            return self._clipped_update(kl_factor, zip(indices, gradients, variables),
-                                        learning_rate, dict(zip(given, directions)))
-        return self.run((id(kl_factor), *map(id, variables)), update,
-                        [g for _, g, _ in indexed], tf.convert_to_tensor(learning_rate),
+        given = sorted(preconditioned)
+        compiled = self.compile_update(
+            (id(kl_factor), *map(id, variables)),
+            lambda gradients, learning_rate, directions: self._clipped_update(
+                kl_factor, zip(indices, gradients, variables), learning_rate,
+                dict(zip(given, directions))))
+        return compiled([g for _, g, _ in indexed], tf.convert_to_tensor(learning_rate),
                         [preconditioned[index] for index in given])
 
     def _clipped_update(self, kl_factor, indexed, learning_rate, preconditioned):

@@ -27,8 +27,10 @@ class DividedStep:
         self.step, self.estimator = step, estimator
 
     def divides(self, distribution):
-        """Whether the step is divided under ``distribution`` (cross-replica context)."""
-        return self.estimator.division.divides(distribution, "step")
+        """Whether the step is divided under ``distribution`` (cross-replica context): there
+        are factored layers, and the options divide it."""
+        return bool(self.estimator.layers) and self.estimator.division.divides(distribution,
+                                                                               "step")
 
     def __call__(self, distribution, indexed, learning_rate):
         """Every variable's update (``indexed``: ``(index, gradient, variable)``), the

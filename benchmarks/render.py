@@ -26,9 +26,11 @@ import re
 import sys
 from statistics import median
 
+from render_common import RESULTS, _ms, _x, load, machine_line, table
+from render_distributed import DISTRIBUTED_TABLES
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 PAGES = [os.path.join(ROOT, "docs", page)
          for page in ("performance.md", "convergence.md", "thor.md", "thor_measurements.md",
                       "adam_offload.md", "distributed.md", "thor_monitor.md")]
@@ -53,52 +55,6 @@ def _convergence():
         sys.path.insert(0, HERE)
     import convergence
     return convergence
-
-
-def load(name, results=RESULTS):
-    with open(os.path.join(results, name)) as f:
-        return json.load(f)
-
-
-def _machine_text(payload):
-    m = payload.get("machine") or {}
-    if not isinstance(m, dict):
-        return str(m)
-    # Files from before the CPU model was recorded name their machines in the note.
-    cpu = (f"{m.get('cpus')}-core {m['cpu']}" if m.get("cpu")
-           else payload.get("note", "machine not recorded"))
-    return (f"{cpu}, TensorFlow {m.get('tensorflow')}"
-            + (", oneDNN's kernels off" if m.get("onednn") is False else ""))
-
-
-def machine_line(*payloads, files):
-    """Where the figures come from: the files and the machine they name; with one payload
-    per file from more than one machine, each machine after its files."""
-    machines = [_machine_text(payload) for payload in payloads]
-    distinct = list(dict.fromkeys(machines))
-
-    def names(chosen):
-        return ", ".join(f"`benchmarks/results/{f}`" for f in chosen)
-
-    if len(distinct) > 1 and len(payloads) == len(files):
-        return "\nFrom " + "; ".join(
-            f"{names([f for f, m in zip(files, machines) if m == text])}: {text}"
-            for text in distinct) + ".\n"
-    return f"\nFrom {names(files)}; {'; '.join(distinct)}.\n"
-
-
-def table(header, rows):
-    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
-    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
-
-def _x(ratio):
-    return f"{ratio:.2f}x"
-
-
-def _ms(value):
-    return f"{value:.3g}" if value < 1000 else f"{value:.0f}"
 
 
 # --- speed benchmarks
@@ -236,40 +192,6 @@ def render_thor_step_split(results):
             f"F={m['args']['frequency']}, ms:\n\n"
             + table(list(split), [[f"{ms:.1f}" for ms in split.values()]])
             + machine_line(r, files=["thor_step_resnet50_split.json"]))
-
-
-WORKERS_FILES = ["thor_step_workers.json", "thor_step_workers_1024.json",
-                 "thor_step_workers_resnet50.json", "thor_step_workers_transformer.json"]
-
-
-def render_thor_step_workers(results):
-    payloads = [load(name, results) for name in WORKERS_FILES]
-    rows = []
-    for r in payloads:
-        model = {"mlp": f"{r['depth']} Dense x {r['hidden']}", "resnet50": "ResNet50, 64x64",
-                 "transformer": "2-block transformer, width 128"}[r["model"]]
-        model += f", batch {r['batch']}, {r['rounds']} rounds"
-        for where, result in r["results"].items():
-            divided, undivided = result["divided"], result["undivided"]
-            rows += [[model, where, phase]
-                     + [f"{undivided[phase][key]:.0f} / {divided[phase][key]:.0f}"
-                        for key in ("refresh_ms", "average_step_ms")]
-                     + [_x(divided[phase]["refresh_ms"] / undivided[phase]["refresh_ms"]),
-                        _x(divided[phase]["average_step_ms"]
-                           / undivided[phase]["average_step_ms"]),
-                        f"{result['gathered_bytes'] / 2 ** 20:.1f} MiB, "
-                        f"{result['all_gather_ms']:.0f} ms" if phase == "filling"
-                        else "none while every basis holds"]
-                     for phase in ("filling", "settled")]
-    frequencies = {r["frequency"] for r in payloads}
-    return (f"`tf_msopt.thor(model, frequency={'/'.join(map(str, sorted(frequencies)))})`, "
-            "medians over the rounds; ms, every replica refreshing everything / the refresh "
-            "divided; *filling*: the refreshes while the statistics' averages fill (every "
-            "factor decomposed), *settled*: those after (bases kept while they hold):\n\n"
-            + table(["model", "where", "refreshes", "refresh", "average step",
-                     "refresh, divided / not", "average step, divided / not",
-                     "all-gather a refresh adds"], rows)
-            + machine_line(*payloads, files=WORKERS_FILES))
 
 
 DEFAULT_STEP_FILES = ["default_step.json", "default_step_resnet50.json"]
@@ -738,7 +660,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "adam_offload_step_zen4": _adam_table("adam_offload_step_zen4.json"),
     "thor_step": (render_thor_step, ["thor_step.json"]),
     "thor_step_split": (render_thor_step_split, ["thor_step_resnet50_split.json"]),
-    "thor_step_workers": (render_thor_step_workers, WORKERS_FILES),
+    **DISTRIBUTED_TABLES,
     "default_step": (render_default_step, DEFAULT_STEP_FILES),
     "default_step_levers": (render_default_step_levers, ["default_step_resnet50_levers.json"]),
     "thor_inverse": (render_thor_inverse, ["thor_inverse.json", "thor_inverse_float64.json"]),

@@ -51,8 +51,6 @@ writes it to FILE, replacing the file).
 import argparse
 import json
 import os
-import socket
-import subprocess
 import sys
 import time
 
@@ -64,7 +62,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.thor.curvature_base import FactorDamping  # noqa: E402
-from timing import emit, machine, time_cases  # noqa: E402
+from timing import (emit, local_environment, machine, run_processes, time_cases,  # noqa: E402
+                    worker_environments)
 
 # Per model: defaults, and the target (which case, at most how many times SGD-momentum).
 MODELS = {
@@ -352,7 +351,8 @@ def scale_out_worker(args):
         with strategy.scope():
             keras.utils.set_random_seed(0)
             model = build_model()
-            optimizer = mso.thor(model, frequency=args.frequency)
+            # (the refresh alone divided: benchmarks/thor_workers.py times the divided step)
+            optimizer = mso.thor(model, frequency=args.frequency, replica_division="refresh")
             optimizer.build(model.trainable_variables)
 
         @tf.function
@@ -432,35 +432,8 @@ def run_scale_out(args, title):
                "--model", args.model, "--hidden", str(args.hidden), "--depth", str(args.depth),
                "--batch", str(args.batch), "--frequency", str(args.frequency), "--rounds",
                str(args.rounds), "--classes", str(args.classes)]
-
-    def collect(processes):
-        results = []
-        try:
-            for process in processes:
-                stdout, stderr = process.communicate(timeout=3600)
-                if process.returncode != 0:
-                    raise SystemExit(f"a worker failed:\n{stderr[-4000:]}")
-                results.append(json.loads(stdout.strip().splitlines()[-1]))
-        finally:   # a failed worker leaves the others waiting in a collective
-            for process in processes:
-                if process.poll() is None:
-                    process.kill()
-        return results
-
-    ports = []
-    for _ in range(args.workers):
-        with socket.socket() as sock:
-            sock.bind(("localhost", 0))
-            ports.append(sock.getsockname()[1])
-    cluster = {"worker": [f"localhost:{port}" for port in ports]}
-    env = {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}
-    workers = collect([subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                        text=True, env=dict(env, TF_CONFIG=json.dumps({
-                                            "cluster": cluster,
-                                            "task": {"type": "worker", "index": index}})))
-                       for index in range(args.workers)])
-    mirrored = collect([subprocess.Popen(command, stdout=subprocess.PIPE,
-                                         stderr=subprocess.PIPE, text=True, env=env)])
+    workers = run_processes(command, worker_environments(args.workers))
+    mirrored = run_processes(command, [local_environment()])
     results = {f"worker {index}": result for index, result in enumerate(workers)}
     results["MirroredStrategy, 2 logical CPUs"] = mirrored[0]
     print(f"{title}, global batch {args.batch}, "

@@ -2,7 +2,9 @@
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
 import time
 from unittest import mock
 
@@ -125,3 +127,41 @@ def emit(payload, out=None):
             json.dump(payload, f, indent=1)
             f.write("\n")
         os.replace(out + ".tmp", out)
+
+
+def run_processes(command, envs):
+    """Runs ``command`` once per environment of ``envs`` (all at once: workers that meet in
+    collectives) and returns the JSON each prints last; a failure stops them all."""
+    processes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for env in envs]
+    results = []
+    try:
+        for process in processes:
+            stdout, stderr = process.communicate(timeout=3600)
+            if process.returncode != 0:
+                raise SystemExit(f"a process failed:\n{stderr[-4000:]}")
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+    finally:   # a failed worker leaves the others waiting in a collective
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    return results
+
+
+def worker_environments(workers):
+    """This environment with the ``TF_CONFIG`` of each of ``workers`` workers on localhost
+    (``MultiWorkerMirroredStrategy``), on free ports."""
+    ports = []
+    for _ in range(workers):
+        with socket.socket() as sock:
+            sock.bind(("localhost", 0))
+            ports.append(sock.getsockname()[1])
+    cluster = {"worker": [f"localhost:{port}" for port in ports]}
+    return [dict(local_environment(), TF_CONFIG=json.dumps({
+        "cluster": cluster, "task": {"type": "worker", "index": index}}))
+        for index in range(workers)]
+
+
+def local_environment():
+    """This environment without a ``TF_CONFIG``: one process on its own."""
+    return {key: value for key, value in os.environ.items() if key != "TF_CONFIG"}

@@ -478,7 +478,8 @@ def test_no_hyper_parameters_give_the_default():
 OVERRIDES = {"learning_rate": 1e-2, "damping": 0.2, "momentum": 0.8, "frequency": 5,
              "graft": None, "preconditioner": "inverse", "statistics_decay": 0.9,
              "block_size": 256, "kl_clip": 1e-3, "eigenbasis_exponent": {"dense": 0.6},
-             "eigenbasis_tolerance": None, "statistics_rows": 64, "cautious": False}
+             "eigenbasis_tolerance": None, "statistics_rows": 64, "cautious": False,
+             "replica_division": "refresh"}
 #: The overrides that make a step read the damping, which the default has none of.
 DAMPED = {"graft", "preconditioner"}
 

@@ -361,7 +361,8 @@ class ThorReference:
                  statistics_frequency=None, kl_clip=None, trace_thresholds=None, graft=None,
                  precondition_inputs=True, preconditioner="inverse", eigenbasis_exponent=None,
                  eigenbasis_tolerance=None, max_rotated_dim=None, statistics_rows=None,
-                 cautious=False):
+                 cautious=False, replica_division=None):
+        del replica_division  # which replica computes what: the same numbers
         self.network = network
         self.learning_rate, self.damping, self.momentum = learning_rate, damping, momentum
         self.weight_decay, self.use_nesterov = weight_decay, use_nesterov

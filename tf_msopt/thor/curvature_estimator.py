@@ -112,7 +112,7 @@ class CurvatureEstimator:
         self.refresh = Refresh(self.layers, options, preconditioner, self.averages,
                                is_refresh_step, assign, cast_assign_add)
         self.division = ReplicaDivision(self.layers, preconditioner, self.averages,
-                                        self.refresh, assign)
+                                        self.refresh, assign, options.replica_division)
         self.traced_refresh = TracedOnce(self.refresh.refresh_bucket)
 
     @property

@@ -19,7 +19,6 @@ from tf_msopt.thor import options as thor_options
 from tf_msopt.thor.capture import watch_compile
 from tf_msopt.thor.curvature_base import CurvatureBlock, from_config
 from tf_msopt.thor.curvature_estimator import CurvatureEstimator
-from tf_msopt.thor.execution import on_each_device
 from tf_msopt.thor.experimental import split_experimental
 from tf_msopt.thor.grafting import AdamGraft
 from tf_msopt.thor.loss_scale_link import LossScaleLink
@@ -207,7 +206,7 @@ class THOR(MindSporeOptimizer):
         kl_clip = None
         if options.kl_clip is not None:
             self.kl_factor = self._add_state_variable((), "ones", "kl_factor")
-            kl_clip = KLClip(options.kl_clip, self.assign)
+            kl_clip = KLClip(options.kl_clip, self.assign, self.kl_factor)
         self._estimator.build_counters(self._add_state_variable)
         self.damping_retries = self._estimator.damping_retries
         self.failed_inverses = self._estimator.failed_inverses
@@ -261,13 +260,12 @@ class THOR(MindSporeOptimizer):
                           learning_rate)
 
     def distributed_update(self, distribution, grads_and_vars, learning_rate):
-        if self._step.kl_clip is None:
+        if not self._step.updates_together(distribution):
             return super().distributed_update(distribution, grads_and_vars, learning_rate)
-        # The KL factor needs every factored direction before any variable is updated.
+        # The KL factor (and a divided step) needs every factored direction first.
         indexed = [(compat.variable_index(self, v), g, v) for g, v in grads_and_vars
                    if g is not None]
-        return on_each_device(distribution, self.kl_factor, self._step.clipped_update,
-                              (indexed, learning_rate))
+        return self._step.update_together(distribution, indexed, learning_rate)
 
     # --- serialization
 

@@ -182,6 +182,13 @@ OPTIONS = (
            serialize=lambda value: serialize_filter(value, "decay_filter", _OWNER)),
     Option("split_indices", None, _check_split_indices,
            "indices of preconditioned layers that close an all-reduce bucket"),
+    Option("replica_division", "refresh", _optional(_choice("replica_division",
+                                                            ("step", "refresh"))),
+           "under a strategy of several replicas, the work each factored layer's owner does "
+           "for all: `\"refresh\"` its factorisations, `\"step\"` also its per-step "
+           "preconditioning, both handed to every replica by one all-gather (see "
+           "[Distributed training](distributed.md))", preset="step",
+           none_means="every replica does all of it"),
     Option("enable_clip_grad", False, _flag("enable_clip_grad"),
            "bool: clip each gradient to L2 norm 1"),
     Option("frequency", 100,

@@ -109,6 +109,10 @@ class InversePreconditioner:
             assign(entry.layer.g_inverse, next(inverses))
         return retried, kept, use
 
+    def stepped_state(self, layer):
+        """The variables of ``layer`` that :meth:`step` assigns: none."""
+        return []
+
     def step(self, layer, gradient, correction, assign):
         a_inverse = tf.convert_to_tensor(layer.a_inverse) if self.precondition_inputs else None
         return layer.block.precondition(gradient, Preconditioning(
@@ -261,6 +265,10 @@ class EigenbasisPreconditioner:
         if self.filled is None:
             return tf.constant(False)
         return tf.convert_to_tensor(layer.count) < self.filled
+
+    def stepped_state(self, layer):
+        """The variables of ``layer`` that :meth:`step` assigns."""
+        return [layer.rotated_second_moment]
 
     def step(self, layer, gradient, correction, assign):
         """Adam's step without its first moment on ``gradient`` rotated into the eigenbases,

@@ -18,7 +18,7 @@ from tf_msopt.thor.execution import (TracedOnce, balanced_owners, device_of,
 
 __all__ = ["ReplicaDivision", "UNDIVIDED_REFRESH"]
 
-#: The environment variable that, set to 1, has every replica refresh every layer (for
+#: The environment variable that, set to 1, has every replica do all of THOR's work (for
 #: comparisons).
 UNDIVIDED_REFRESH = "TF_MSOPT_THOR_UNDIVIDED_REFRESH"
 
@@ -35,22 +35,24 @@ class ReplicaDivision:
         refresh: the :class:`~tf_msopt.thor.refresh.Refresh` whose schedule, damping and
             counts the divided refresh follows.
         assign: ``(variable, value)``, the optimizer's.
+        mode: the ``replica_division`` option: ``"step"``, ``"refresh"`` or None.
     """
 
-    def __init__(self, layers, preconditioner, averages, refresh, assign):
-        self.layers, self.preconditioner = layers, preconditioner
+    def __init__(self, layers, preconditioner, averages, refresh, assign, mode="refresh"):
+        self.layers, self.preconditioner, self.mode = layers, preconditioner, mode
         self.averages, self.refresh = averages, refresh
         self._assign = assign
         self.traced_averages = TracedOnce(averages.update_bucket)
         self.traced_part = TracedOnce(self._refresh_part)
 
-    def divides(self, distribution):
-        """Whether the refresh is divided among the replicas: under a strategy of several,
-        without the trace rule (whose decisions each replica keeps for every layer), and
-        unless ``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``."""
-        return (tf.distribute.in_cross_replica_context()
+    def divides(self, distribution, work="refresh"):
+        """Whether ``work`` (``"refresh"`` or ``"step"``) is divided among the replicas: under a
+        strategy of several, where ``replica_division`` divides it, unless
+        ``TF_MSOPT_THOR_UNDIVIDED_REFRESH=1``; the refresh only without the trace rule (whose
+        decisions each replica keeps for every layer)."""
+        return (self.mode in (work, "step") and tf.distribute.in_cross_replica_context()
                 and distribution.num_replicas_in_sync > 1
-                and self.refresh.trace_thresholds is None
+                and (work == "step" or self.refresh.trace_thresholds is None)
                 and os.environ.get(UNDIVIDED_REFRESH, "0") in ("", "0"))
 
     def refresh_owners(self, replicas):

@@ -13,7 +13,8 @@ import tensorflow as tf
 from tf_msopt._common import in_xla_context
 from tf_msopt.schedules import value_at_step
 from tf_msopt.thor.curvature_base import Preconditioning
-from tf_msopt.thor.execution import when
+from tf_msopt.thor.divided_step import DividedStep
+from tf_msopt.thor.execution import on_each_device, when
 from tf_msopt.thor.grafting import bias_correction
 from tf_msopt.thor.step_modifiers import Precondition, VariableUpdate
 
@@ -100,6 +101,9 @@ class ThorStep:
         self.compile_update = compile_update
         #: Each variable's :class:`VariableUpdate`, planned on the first step.
         self.updates = None
+        #: ``{index: LayerCurvature}`` of the factored kernels, planned with them.
+        self.curvature_of = {}
+        self.divided = DividedStep(self, estimator)
 
     # --- the plan of each variable's update
 
@@ -131,6 +135,7 @@ class ThorStep:
         options = self.options
         factored = block is not None and block.has_factors
         if factored:
+            self.curvature_of[index] = curvature[block.name]
             precondition = Precondition(f"{options.preconditioner} preconditioner",
                                         functools.partial(self.estimator.step,
                                                           curvature[block.name]))
@@ -187,15 +192,22 @@ class ThorStep:
 
     # --- the update
 
-    def direction(self, gradient, update, correction):
-        """``(gradient, direction)``: the variable's direction before the modifiers,
-        preconditioned, grafted to Adam's length with ``graft`` (``correction``: Adam's bias
-        correction at this step)."""
+    def unscaled(self, gradient):
+        """``gradient`` in float32, divided by the ``loss_scale`` option."""
         gradient = tf.cast(gradient, tf.float32)
-        if self.options.loss_scale != 1.0:
-            gradient = gradient / self.options.loss_scale
-        direction = (gradient if update.precondition is None
-                     else update.precondition(gradient, correction))
+        return gradient / self.options.loss_scale if self.options.loss_scale != 1.0 else gradient
+
+    def direction(self, gradient, update, correction, preconditioned=None):
+        """``(gradient, direction)``: the variable's direction before the modifiers,
+        preconditioned (``preconditioned`` where its owner has computed it: the divided
+        step), grafted to Adam's length with ``graft`` (``correction``: Adam's bias
+        correction at this step)."""
+        gradient = self.unscaled(gradient)
+        if preconditioned is not None:
+            direction = preconditioned
+        else:
+            direction = (gradient if update.precondition is None
+                         else update.precondition(gradient, correction))
         if self.graft is None:
             return gradient, direction
         return gradient, self.graft.direction(update.graft_moment, gradient,
@@ -215,28 +227,49 @@ class ThorStep:
                                    self.schedule.bias_correction(self.graft))[1]
         self._apply(direction, variable, update, learning_rate)
 
-    def clipped_update(self, kl_factor, indexed, learning_rate):
-        """:meth:`_clipped_update` on one device: one XLA function with ``jit_compile``."""
+    def updates_together(self, distribution):
+        """Whether every variable's update is planned together (:meth:`update_together`):
+        with the KL clip, and where the step is divided among replicas."""
+        return self.kl_clip is not None or self.divided.divides(distribution)
+
+    def update_together(self, distribution, indexed, learning_rate):
+        """Every variable's update (``indexed``: ``(index, gradient, variable)``) on every
+        device: divided among the replicas or not (cross-replica context)."""
+        if self.divided.divides(distribution):
+            return self.divided(distribution, indexed, learning_rate)
+        return on_each_device(distribution, self.kl_clip.variable, self.clipped_update,
+                              (indexed, learning_rate))
+
+    def clipped_update(self, kl_factor, indexed, learning_rate, preconditioned=None):
+        """:meth:`_clipped_update` on one device (``kl_factor``: this device's component of
+        the KL clip's variable; ``preconditioned``: ``{index: direction}`` of the kernels
+        whose owners computed them), one XLA function with ``jit_compile``."""
+        preconditioned = preconditioned or {}
         if self.compile_update is None or in_xla_context():
-            return self._clipped_update(kl_factor, indexed, learning_rate)
+            return self._clipped_update(kl_factor, indexed, learning_rate, preconditioned)
         indices, variables = [i for i, _, _ in indexed], [v for _, _, v in indexed]
+        given = sorted(preconditioned)
         compiled = self.compile_update(
             (id(kl_factor), *map(id, variables)),
-            lambda gradients, learning_rate: self._clipped_update(
-                kl_factor, zip(indices, gradients, variables), learning_rate))
-        return compiled([g for _, g, _ in indexed], tf.convert_to_tensor(learning_rate))
+            lambda gradients, learning_rate, directions: self._clipped_update(
+                kl_factor, zip(indices, gradients, variables), learning_rate,
+                dict(zip(given, directions))))
+        return compiled([g for _, g, _ in indexed], tf.convert_to_tensor(learning_rate),
+                        [preconditioned[index] for index in given])
 
-    def _clipped_update(self, kl_factor, indexed, learning_rate):
+    def _clipped_update(self, kl_factor, indexed, learning_rate, preconditioned):
         """Every variable's direction (``indexed``: ``(index, gradient, variable)``), the
         factored ones scaled by the KL clip's ``nu`` (assigned to ``kl_factor``), then every
         update."""
         planned, correction = [], self.schedule.bias_correction(self.graft)
         for index, gradient, variable in indexed:
             update = self.updates[index]
-            planned.append((variable, update, *self.direction(gradient, update, correction)))
+            planned.append((variable, update, *self.direction(
+                gradient, update, correction, preconditioned.get(index))))
         products = [tf.reduce_sum(gradient * direction)
                     for _, update, gradient, direction in planned if update.factored]
-        nu = self.kl_clip(products, learning_rate, kl_factor) if products else None
+        nu = (self.kl_clip(products, learning_rate, kl_factor)
+              if products and self.kl_clip is not None else None)
         for variable, update, _, direction in planned:
-            self._apply(direction * nu if update.factored else direction, variable, update,
-                        learning_rate)
+            self._apply(direction * nu if nu is not None and update.factored else direction,
+                        variable, update, learning_rate)

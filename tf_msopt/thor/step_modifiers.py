@@ -65,10 +65,11 @@ def momentum_average(momentum):
 class KLClip:
     """``nu = min(1, sqrt(c / (lr^2 |sum_k <g_k, P g_k>|)))`` over the Kronecker-factored
     kernels (``g`` the gradient, ``P g`` its step), multiplying those kernels' steps
-    (kfac-pytorch's clip)."""
+    (kfac-pytorch's clip); ``variable`` keeps the last ``nu`` (the optimizer's
+    ``kl_factor``)."""
 
-    def __init__(self, clip, assign):
-        self.clip, self.assign = clip, assign
+    def __init__(self, clip, assign, variable):
+        self.clip, self.assign, self.variable = clip, assign, variable
 
     def __call__(self, products, learning_rate, factor):
         """``nu`` from the products ``<g_k, P g_k>``, assigned to the variable ``factor`` (the

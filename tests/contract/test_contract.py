@@ -290,6 +290,7 @@ def test_autograph_in_a_users_tf_function_converts_no_package_code():
 # --------------------------------------------------------------------------- variables
 
 @case
+@pytest.mark.equivalence
 def test_plain_tf_variables_train_like_keras_variables(case):
     want = plain_trace(case)
     plain_model = C.mlp()
@@ -356,6 +357,7 @@ CLIPPING = {
 
 @case
 @pytest.mark.parametrize("clip", sorted(CLIPPING))
+@pytest.mark.equivalence
 def test_clipping_equals_clipping_by_hand(case, clip):
     threshold, clip_by_hand = CLIPPING[clip]
     model = C.mlp()
@@ -518,6 +520,7 @@ def test_gradient_accumulation_steps(case, decay):
 
 
 @case
+@pytest.mark.equivalence
 def test_indexed_slices_gradients_equal_dense_ones(case):
     model = C.embedding_model()
     kinds = []
@@ -624,6 +627,7 @@ def test_a_schedule_set_as_learning_rate_replaces_its_variable(case):
 
 
 @case
+@pytest.mark.equivalence
 def test_callable_learning_rate_equals_its_value(case):
     model = C.mlp()
     optimizer = C.make(case, model)

@@ -335,38 +335,52 @@ def scale_out_model(args, rng):
     return model, x, f"{args.depth} Dense layers of {args.hidden}"
 
 
+def shared_batch(strategy, x, y):
+    """The global batch ``(x, y)`` (integer labels ``y``) as equal shares, one a replica."""
+    share = len(x) // strategy.num_replicas_in_sync
+    y = y.astype("int32")
+    return strategy.experimental_distribute_values_from_function(lambda context: (
+        tf.constant(x[share * context.replica_id_in_sync_group:][:share]),
+        tf.constant(y[share * context.replica_id_in_sync_group:][:share])))
+
+
+def thor_train_step(strategy, build_model, global_batch, **options):
+    """``(step, optimizer)``: a model of ``build_model`` and ``tf_msopt.thor(model,
+    **options)`` made under ``strategy``, and its compiled custom-loop step on a
+    :func:`shared_batch` (the loss averaged over ``global_batch``)."""
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = build_model()
+        optimizer = mso.thor(model, **options)
+        optimizer.build(model.trainable_variables)
+
+    @tf.function
+    def step(batch):
+        def replica_step(x, y):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    keras.losses.sparse_categorical_crossentropy(
+                        y, model(x, training=True), from_logits=True),
+                    global_batch_size=global_batch)
+            optimizer.apply(tape.gradient(loss, model.trainable_variables),
+                            model.trainable_variables)
+        strategy.run(replica_step, args=batch)
+    return step, optimizer
+
+
 def scale_out_worker(args):
     """This worker's timings (see the module's docstring), as a dict."""
     strategy = scale_out_strategy()
     replicas = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     build_model, x, _ = scale_out_model(args, rng)
-    y = rng.integers(0, args.classes, size=args.batch).astype("int32")
-    share = args.batch // replicas
-    inputs = strategy.experimental_distribute_values_from_function(lambda context: (
-        tf.constant(x[share * context.replica_id_in_sync_group:][:share]),
-        tf.constant(y[share * context.replica_id_in_sync_group:][:share])))
+    inputs = shared_batch(strategy, x, rng.integers(0, args.classes, size=args.batch))
 
     def make_case(undivided):
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = build_model()
-            # (the refresh alone divided: benchmarks/thor_workers.py times the divided step)
-            optimizer = mso.thor(model, frequency=args.frequency, replica_division="refresh")
-            optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(batch):
-            def replica_step(x, y):
-                with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(
-                        keras.losses.sparse_categorical_crossentropy(
-                            y, model(x, training=True), from_logits=True),
-                        global_batch_size=args.batch)
-                optimizer.apply(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables)
-            strategy.run(replica_step, args=batch)
-
+        # (the refresh alone divided: benchmarks/thor_workers.py times the divided step)
+        step, optimizer = thor_train_step(strategy, build_model, args.batch,
+                                          frequency=args.frequency,
+                                          replica_division="refresh")
         os.environ[UNDIVIDED] = "1" if undivided else "0"   # read while the step is traced
         for _ in range(args.frequency):
             step(inputs)

@@ -33,8 +33,8 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
-import tf_msopt as mso  # noqa: E402
-from thor_step import BUILDERS  # noqa: E402
+from thor_step import (BUILDERS, scale_out_strategy, shared_batch,  # noqa: E402
+                        thor_train_step)
 from timing import (emit, local_environment, machine, run_processes,  # noqa: E402
                     worker_environments)
 
@@ -57,17 +57,13 @@ def build(args, rng):
 
 
 def strategy_of(kind):
-    """One thread per replica: no strategy, ``MultiWorkerMirroredStrategy`` under
-    ``TF_CONFIG``, or ``MirroredStrategy`` over two logical CPUs."""
+    """One thread per replica: no strategy, else ``benchmarks/thor_step.py``'s
+    (``MultiWorkerMirroredStrategy`` under ``TF_CONFIG``, ``MirroredStrategy`` over two
+    logical CPUs without)."""
+    if kind != "one":
+        return scale_out_strategy()
     tf.config.threading.set_intra_op_parallelism_threads(1)
-    tf.config.threading.set_inter_op_parallelism_threads(2 if kind == "mirrored" else 1)
-    if kind == "workers":
-        return tf.distribute.MultiWorkerMirroredStrategy()
-    if kind == "mirrored":
-        cpu = tf.config.list_physical_devices("CPU")[0]
-        tf.config.set_logical_device_configuration(
-            cpu, [tf.config.LogicalDeviceConfiguration()] * 2)
-        return tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    tf.config.threading.set_inter_op_parallelism_threads(1)
     return tf.distribute.get_strategy()
 
 
@@ -77,30 +73,11 @@ def run_case_process(args):
     replicas = strategy.num_replicas_in_sync
     rng = np.random.default_rng(0)
     build_model, x, _ = build(args, rng)
-    y = rng.integers(0, args.classes, size=args.batch).astype("int32")
-    share = args.batch // replicas
-    inputs = strategy.experimental_distribute_values_from_function(lambda context: (
-        tf.constant(x[share * context.replica_id_in_sync_group:][:share]),
-        tf.constant(y[share * context.replica_id_in_sync_group:][:share])))
+    inputs = shared_batch(strategy, x, rng.integers(0, args.classes, size=args.batch))
 
     def make_case(mode):
-        with strategy.scope():
-            keras.utils.set_random_seed(0)
-            model = build_model()
-            optimizer = mso.thor(model, frequency=args.frequency, replica_division=mode)
-            optimizer.build(model.trainable_variables)
-
-        @tf.function
-        def step(batch):
-            def replica_step(x, y):
-                with tf.GradientTape() as tape:
-                    loss = tf.nn.compute_average_loss(
-                        keras.losses.sparse_categorical_crossentropy(
-                            y, model(x, training=True), from_logits=True),
-                        global_batch_size=args.batch)
-                optimizer.apply(tape.gradient(loss, model.trainable_variables),
-                                model.trainable_variables)
-            strategy.run(replica_step, args=batch)
+        step, optimizer = thor_train_step(strategy, build_model, args.batch,
+                                          frequency=args.frequency, replica_division=mode)
         step(inputs)   # traced, and the first refresh, outside the rounds
         return step, optimizer
 

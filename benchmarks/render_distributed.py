@@ -52,17 +52,25 @@ def render_thor_workers(results):
             for name, phases in result["cases"].items():
                 rows.append([r["title"] + f", batch {r['batch']}", where, DIVISIONS[name]] + [
                     f"{phases[p]['step_ms']:.1f} ({_x(phases[p]['step_ms'] / one[p]['step_ms'])})"
-                    if p in phases and p in one else "not reached" for p in ("filling", "settled")])
+                    if p in phases and p in one else "not reached" for p in ("filling", "settled")]
+                    + [_held(result["state_bytes"][name])])
         rows.append([r["title"] + f", batch {r['batch']}", "one process, one thread", "",
-                     *(f"{one[p]['step_ms']:.1f}" for p in ("filling", "settled"))])
+                     *(f"{one[p]['step_ms']:.1f}" for p in ("filling", "settled")),
+                     _held(r["results"]["one process"]["state_bytes"]["one process"])])
     frequencies = "/".join(sorted({str(r["frequency"]) for r in payloads}))
     return (f"`tf_msopt.thor(model, frequency={frequencies}, replica_division=...)`, ms per "
             "step (a round's refresh cycle averaged), medians over the rounds, and against "
             "one process with one thread on the global batch; *filling*: while the "
             "statistics' averages fill (every refresh decomposes every factor), *settled*: "
-            "after:\n\n"
-            + table(["model", "where", "`replica_division`", "filling", "settled"], rows)
+            "after; THOR's curvature state (MiB) on each replica:\n\n"
+            + table(["model", "where", "`replica_division`", "filling", "settled",
+                     "state per replica"], rows)
             + machine_line(*payloads, files=WORKER_STEP_FILES))
+
+
+def _held(counts):
+    """Bytes per replica, in MiB: ``21.0 / 21.0``."""
+    return " / ".join(f"{count / 2 ** 20:.1f}" for count in counts)
 
 
 COST_MODEL_FILES = ["thor_cost_model.json"]

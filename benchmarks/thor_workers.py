@@ -12,7 +12,7 @@ over the rounds while the statistics' moving averages fill (every refresh decomp
 factor) and after (a basis decomposed only where it no longer holds) is reported with its
 ratio to the one process's. The one process runs before and after the others; its figure
 is the mean of the two. Also printed: the bytes a divided step gathers per replica and
-THOR's state bytes.
+THOR's curvature state on each replica (``optimizer.report().state_bytes``).
 
     python benchmarks/thor_workers.py [--workers 2] [--model mlp|resnet50|transformer]
                                       [--depth 8] [--hidden 512] [--batch 32]
@@ -95,14 +95,15 @@ def run_case_process(args):
                 step(inputs)
             samples[name][phase].append((time.perf_counter() - start) / args.frequency)
 
-    optimizer = cases[names[0]][1]
-    state = [variable for layer in optimizer.curvature.values()
-             for variable in vars(layer).values() if isinstance(variable, keras.Variable)]
-    gathered = sum(layer.block.kernel_elements * (1 + len(
-        optimizer.preconditioner.stepped_state(layer)))
+    reports = {name: optimizer.report() for name, (_, optimizer) in cases.items()}
+    optimizer, divided = cases[names[0]][1], reports[names[0]].state_divided
+    # A divided step gathers each kernel's direction, and its rotated second moment where
+    # every replica holds all the state.
+    gathered = sum(layer.block.kernel_elements * (1 + (0 if divided else len(
+        optimizer.preconditioner.stepped_state(layer))))
         for layer in optimizer.curvature.values())
     return {"replicas": replicas, "owners": optimizer.refresh_owners(max(replicas, 2)),
-            "thor_state_bytes": 4 * sum(v.shape.num_elements() for v in state),
+            "state_bytes": {name: list(report.state_bytes) for name, report in reports.items()},
             "step_gathered_bytes": 4 * gathered,
             "cases": {name: {phase: {"steps": args.frequency * len(times),
                                      "step_ms": 1e3 * float(np.median(times))}
@@ -141,9 +142,11 @@ def report(results, title, args):
             print(f"{where + ', ' + str(name):44}" + "".join(
                 f"{phase} {r['step_ms']:8.1f} ({r['step_ms'] / one[phase]['step_ms']:.2f}x)  "
                 for phase, r in phases.items() if phase in one))
-    result = results[f"{args.workers} workers"]
-    print(f"a divided step gathers {result['step_gathered_bytes'] / 2 ** 20:.1f} MiB; THOR's "
-          f"state {result['thor_state_bytes'] / 2 ** 20:.1f} MiB per replica")
+    for where, result in results.items():
+        held = {name: "/".join(f"{count / 2 ** 20:.1f}" for count in counts)
+                for name, counts in result["state_bytes"].items()}
+        print(f"{where}: a divided step gathers {result['step_gathered_bytes'] / 2 ** 20:.1f} "
+              f"MiB; THOR's curvature state per replica (MiB): {held}")
 
 
 def main():

@@ -151,8 +151,9 @@ def test_divided_refresh_equals_every_replica_refreshing(two_cpu_strategy, monke
         return tf.py_function(lambda value: gathers.append(1) or value, [gathered],
                               gathered.dtype)
     monkeypatch.setattr(replica_division, "gather_device_values", counted_gather)
+    # (The refresh's all-gather hands the state around: every replica holds all of it.)
     divided, optimizer, shared = train_deep(two_cpu_mirrored_strategy(), monkeypatch, False,
-                                            preset)
+                                            preset, replica_division="refresh")
     for got, want in zip(divided, undivided):
         np.testing.assert_array_equal(got, want)
     # Refreshes at steps 0, 3 and 6; with "kept" only the first changes a basis.
@@ -217,11 +218,13 @@ def test_divided_refresh_resumes_exactly(two_cpu_strategy, tmp_path):
 
 @pytest.mark.parametrize("preset", ["default", "mindspore"])
 def test_divided_step_equals_every_replica_stepping(two_cpu_strategy, monkeypatch, preset):
-    """``replica_division="step"``: each factored kernel's preconditioned direction (and
-    its rotated second moment) is computed on the replica that owns its layer and reaches
-    the other by one all-gather a step; the weights and every optimizer variable are bit
-    for bit those of replicas that each compute every direction (``"refresh"``), the same on
-    both replicas."""
+    """``replica_division="step"``: each factored layer's state (averages, eigenvectors or
+    inverses, rotated second moment) is one copy on the replica that owns the layer, which
+    alone updates it and computes the kernel's preconditioned direction; one all-gather a
+    step hands the directions to the other. The weights and every optimizer variable are
+    bit for bit those of replicas that each hold all the state and compute every direction
+    (``"refresh"``), the mirrored ones the same on both replicas; each replica holds about
+    half of the curvature state, as the report says."""
     from tf_msopt.thor import divided_step
     whole, stepped, _ = train_deep(two_cpu_strategy, monkeypatch, False, preset,
                                    replica_division="refresh")
@@ -236,16 +239,27 @@ def test_divided_step_equals_every_replica_stepping(two_cpu_strategy, monkeypatc
                                        replica_division="step")
     for got, want in zip(divided, whole):
         np.testing.assert_array_equal(got, want)
-    # One all-gather in the traced step, each replica's share about half of the directions
-    # (and, in the eigenbasis, as many rotated second moments).
+    # One all-gather in the traced step, each replica's share about half of the directions.
     kernels = sum(w.size for w in divided[0:len(divided):2])
-    per_kernel = 2 if preset == "default" else 1
-    assert len(shares) == 1 and sum(shares[0].values()) == per_kernel * kernels
-    assert max(shares[0].values()) <= 0.6 * per_kernel * kernels
+    assert len(shares) == 1 and sum(shares[0].values()) == kernels
+    assert max(shares[0].values()) <= 0.6 * kernels
+    owners = optimizer.refresh_owners(2)
+    devices = two_cpu_mirrored_strategy().extended.worker_devices
+    single = {id(variable) for name, layer in optimizer.curvature.items()
+              for variable in layer.variables()}
+    for name, layer in optimizer.curvature.items():
+        for variable in layer.variables():
+            assert variable.value.device == devices[owners[name]], variable.path
     for got, want in zip(optimizer.variables, stepped.variables):
-        replicas = [v.numpy() for v in got.value.values]
-        np.testing.assert_array_equal(replicas[0], replicas[1], err_msg=got.path)
-        np.testing.assert_array_equal(replicas[0], want.numpy(), err_msg=got.path)
+        copies = [v.numpy() for v in getattr(got.value, "values", [got.value])]
+        assert len(copies) == (1 if id(got) in single else 2), got.path
+        for copy in copies:
+            np.testing.assert_array_equal(copy, want.numpy(), err_msg=got.path)
+    held, whole = (o._estimator.state_bytes(2) for o in (optimizer, stepped))
+    assert whole[0] == whole[1] == sum(held) and max(held) <= 0.6 * sum(held)
+    mib = [f"{count / 2**20:.3g} MiB" for count in held]
+    assert f"curvature state per replica: {mib[0]}, {mib[1]}" in str(optimizer.report())
+    assert "on each of 2 replicas" in str(stepped.report())
 
 
 @pytest.mark.parametrize("case", ["kl_clip", "default_dense"])
@@ -268,12 +282,13 @@ def test_divided_step_matches_numpy_reference(two_cpu_strategy, monkeypatch, cas
         check_eigenbasis_state(optimizer, reference)
 
 
-@pytest.mark.parametrize("writer, reader", [(2, 1), (1, 2)])
-def test_checkpoints_move_between_replica_counts(tmp_path, writer, reader):
-    """A checkpoint of the default's state (its step divided under two replicas) restores
-    under another number of replicas with every optimizer variable as saved, and the run
-    goes on as it would have on the writer's (to the rounding the eigenbasis amplifies, as
-    two replicas against one device)."""
+@pytest.mark.parametrize("writer, reader, saved_as", [(2, 1, "checkpoint"), (1, 2, "checkpoint"),
+                                                     (2, 1, "keras")])
+def test_checkpoints_move_between_replica_counts(tmp_path, writer, reader, saved_as):
+    """A checkpoint (or ``.keras`` file) of the default's state (under two replicas each
+    layer's on its owner alone) restores under another number of replicas with every
+    optimizer variable as saved, and the run goes on as it would have on the writer's (to
+    the rounding the eigenbasis amplifies, as two replicas against one device)."""
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16 * 8, 12)).astype("float32")
     y = rng.normal(size=(16 * 8, 3)).astype("float32")
@@ -291,19 +306,27 @@ def test_checkpoints_move_between_replica_counts(tmp_path, writer, reader):
         rows = slice(16 * first_step, 16 * (first_step + 4))
         model.fit(x[rows], y[rows], batch_size=16, epochs=1, shuffle=False, verbose=0)
 
-    def values(optimizer):
-        return {v.path: [np.asarray(c) for c in getattr(v.value, "values", [v.value])]
-                for v in optimizer.variables}
+    def values(optimizer):   # (by position: a loaded model's layers are named anew)
+        return {index: [np.asarray(c) for c in getattr(v.value, "values", [v.value])]
+                for index, v in enumerate(optimizer.variables)}
 
     model, optimizer, checkpoint = build(writer)
     fit(model, 0)
-    path = checkpoint.write(str(tmp_path / "ckpt"))
+    if saved_as == "keras":
+        path = str(tmp_path / "model.keras")
+        model.save(path)
+    else:
+        path = checkpoint.write(str(tmp_path / "ckpt"))
     saved = {name: copies[0] for name, copies in values(optimizer).items()}
     fit(model, 4)
     uninterrupted = model.get_weights()
     keras.backend.clear_session()
-    model, optimizer, checkpoint = build(reader)
-    checkpoint.read(path).assert_consumed()
+    if saved_as == "keras":
+        model = keras.models.load_model(path)
+        optimizer = mso.thor.connect(model)
+    else:
+        model, optimizer, checkpoint = build(reader)
+        checkpoint.read(path).assert_consumed()
     restored = values(optimizer)
     assert set(restored) == set(saved) and len(restored[next(iter(saved))]) == reader
     for name, copies in restored.items():

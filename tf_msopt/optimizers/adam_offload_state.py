@@ -2,7 +2,7 @@
 each variable's group and weight-decay factor, and MindSpore's running products beta**t."""
 import tensorflow as tf
 
-from tf_msopt import _keras_compat as compat
+from tf_msopt._common import single_copy_variables
 from tf_msopt.ops.adam import COMPACT_MOMENT_DTYPES, scale_shape
 from tf_msopt.optimizers.base import make_variable_filter, slot_name, variable_path
 
@@ -22,13 +22,6 @@ def _group_member(spec, index):
     keep = make_variable_filter(spec, (), f"groups[{index}]['params']", _OWNER)
     # The shared filter excludes what a regex list matches; a group is what it matches.
     return keep if callable(spec) else (lambda variable: not keep(variable))
-
-
-def _single_copy_variable(next_creator, **kwargs):
-    """Creates a plain variable where it is asked for: one copy on the host, even inside a
-    ``tf.distribute`` scope (whose creator would put a mirror on every replica's device)."""
-    del next_creator
-    return compat.resource_variable(**kwargs)
 
 
 class OffloadState:
@@ -66,7 +59,7 @@ class OffloadState:
             tf.as_dtype(_HOST_DTYPES.get(v.dtype, v.dtype) if state_dtype == "float32"
                         else "float32") for v in variables]
         moment_dtypes = COMPACT_MOMENT_DTYPES.get(state_dtype)
-        with tf.device(host_device), tf.variable_creator_scope(_single_copy_variable):
+        with single_copy_variables(host_device):
             self.moment1, self.moment2 = (
                 [add_variable(v.shape, dtype=moment_dtypes[k] if moment_dtypes else host,
                               name=slot_name(v, slot))

@@ -72,10 +72,12 @@ class LayerCurvature:
     trace_decisions: object = None
     pending: object = None
 
-    @property
-    def device_variable(self):
-        """A variable of this state: says on which device a per-device function runs."""
-        return self.g_inverse if self.g_inverse is not None else self.rotated_second_moment
+    def variables(self):
+        """Every variable of this state."""
+        values = [getattr(self, field.name) for field in dataclasses.fields(self)
+                  if field.name != "block"]
+        return [variable for value in values if value is not None
+                for variable in (value if isinstance(value, tuple) else (value,))]
 
 
 class CurvatureEstimator:
@@ -111,9 +113,15 @@ class CurvatureEstimator:
                                           cast_assign_add)
         self.refresh = Refresh(self.layers, options, preconditioner, self.averages,
                                is_refresh_step, assign, cast_assign_add)
-        self.division = ReplicaDivision(self.layers, preconditioner, self.averages,
+        self.division = ReplicaDivision(self.blocks, self.layers, preconditioner, self.averages,
                                         self.refresh, assign, options.replica_division)
         self.traced_refresh = TracedOnce(self.refresh.refresh_bucket)
+
+    @property
+    def anchor(self):
+        """A variable on every replica's device (the count of blocks that kept their state,
+        once built): says on which devices a per-device function runs."""
+        return self.refresh.failed_inverses
 
     @property
     def damping_retries(self):
@@ -127,15 +135,21 @@ class CurvatureEstimator:
 
     # --- state
 
-    def build_layers(self, add_variable, accumulates=False):
+    def build_layers(self, add_variable, distribution, accumulates=False):
         """Creates each layer's state with ``add_variable(shape, initializer, name, dtype)``
-        (the optimizer's), in the order checkpoints hold it; ``accumulates``: the optimizer
-        accumulates gradients over several steps, and the statistics with them."""
+        (the optimizer's), in the order checkpoints hold it: on every replica's device, or
+        on its owner's alone where ``distribution`` divides the state
+        (:meth:`ReplicaDivision.divide_state
+        <tf_msopt.thor.replica_division.ReplicaDivision.divide_state>`); ``accumulates``:
+        the optimizer accumulates gradients over several steps, and the statistics with
+        them."""
+        self.division.divide_state(distribution)
         for block in self.blocks:
             layer = LayerCurvature(block)
-            self.preconditioner.build(layer, add_variable)
             a_shape, g_shape = self.preconditioner.statistics_shapes(block)
-            self.averages.build_averages(layer, a_shape, g_shape, add_variable)
+            with self.division.placement(block):
+                self.preconditioner.build(layer, add_variable)
+                self.averages.build_averages(layer, a_shape, g_shape, add_variable)
             self.refresh.build_trace_rule(layer, add_variable)
             if accumulates:
                 self.averages.build_pending(layer, a_shape, g_shape, add_variable)
@@ -180,6 +194,24 @@ class CurvatureEstimator:
         <tf_msopt.thor.replica_division.ReplicaDivision.refresh_owners>`)."""
         return self.division.refresh_owners(replicas)
 
+    def state_held(self, distribution):
+        """The report's ``state_bytes`` (:meth:`state_bytes` under ``distribution``) and
+        ``state_divided``."""
+        return {"state_bytes": self.state_bytes(distribution.num_replicas_in_sync),
+                "state_divided": self.division.state_devices is not None}
+
+    def state_bytes(self, replicas):
+        """The bytes of curvature state each of ``replicas`` holds: all of it, or where the
+        state is divided its own layers'."""
+        held = [0] * replicas
+        owners = self.refresh_owners(replicas) if self.division.state_devices else None
+        for layer in self.layers:
+            size = sum(variable.shape.num_elements() * tf.as_dtype(variable.dtype).size
+                       for variable in layer.variables())
+            for replica in [owners[layer.block.name]] if owners else range(replicas):
+                held[replica] += size
+        return held
+
     # --- the update
 
     def accumulate(self, statistics):
@@ -206,7 +238,7 @@ class CurvatureEstimator:
 
         def update_buckets():
             for bucket in buckets(len(statistics), self.options.split_indices):
-                first = self.layers[bucket[0]].device_variable
+                first = self.anchor
                 reduced = sum_over_replicas(
                     distribution, [value for index in bucket for value in statistics[index]],
                     first)

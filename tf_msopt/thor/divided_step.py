@@ -8,7 +8,9 @@ all-gather through the strategy's collectives hands both to every replica, which
 finishes every variable's step as the undivided step does: the graft, the KL clip over every
 kernel in layer order, the modifiers and the momentum step. Every replica computes the same
 bits, and the same bits as a step that is not divided: the owner's direction is the one every
-replica would have computed.
+replica would have computed. Where the state is divided as well (each layer's on its owner
+alone, :meth:`~tf_msopt.thor.replica_division.ReplicaDivision.divide_state`), the owner keeps
+the state it updated and only the directions are gathered.
 """
 import tensorflow as tf
 
@@ -44,7 +46,7 @@ class DividedStep:
                 shares[owners[layer.block.name]].append((index, gradient, layer))
         # A variable on every device to run the per-device functions on.
         anchor = (self.step.kl_clip.variable if self.step.kl_clip is not None
-                  else self.estimator.layers[0].device_variable)
+                  else self.estimator.anchor)
         parts = {}
 
         def part(component, shares):   # (shares: each gradient as it is on this device)
@@ -72,8 +74,7 @@ class DividedStep:
         for index, gradient in share:
             update = self.step.updates[index]
             values.append(update.precondition(self.step.unscaled(gradient), correction))
-            values += self.estimator.preconditioner.stepped_state(
-                self.step.curvature_of[index])
+            values += self._handed_state(self.step.curvature_of[index])
         # (The empty tensor: a replica may own nothing.)
         return tf.concat([tf.reshape(value, [-1]) for value in values] + [tf.zeros([0])], 0)
 
@@ -92,9 +93,16 @@ class DividedStep:
         for replica, share in enumerate(shares):
             for index, gradient, layer in share:
                 preconditioned[index] = take(gradient.shape)
-                for variable in self.estimator.preconditioner.stepped_state(layer):
+                for variable in self._handed_state(layer):
                     value = take(variable.shape)
                     if replica != here:
                         self.step.assign(variable, value)
         kl_factor = component if self.step.kl_clip is not None else None
         return self.step.clipped_update(kl_factor, indexed, learning_rate, preconditioned)
+
+    def _handed_state(self, layer):
+        """The state of ``layer`` its owner's step updates and hands to the other replicas:
+        none where only the owner holds it."""
+        if self.estimator.division.state_devices is not None:
+            return []
+        return self.estimator.preconditioner.stepped_state(layer)

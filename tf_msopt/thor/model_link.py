@@ -139,9 +139,10 @@ class ModelLink:
         if self.connection is not None:
             self.connection.fisher_distribution = self.fisher_distribution
 
-    def report(self, decisions, steps, steps_per_update):
+    def report(self, decisions, steps, steps_per_update, state_bytes=(), state_divided=False):
         """A :class:`tf_msopt.thor.ThorReport`; ``decisions``: the trace rule's, ``steps``:
-        the names of each variable's step pieces by path."""
+        the names of each variable's step pieces by path, ``state_bytes`` and
+        ``state_divided``: the curvature state each replica holds, and whether divided."""
         from tf_msopt.ops.inverse import inverse_backend
 
         options = self.options
@@ -152,7 +153,8 @@ class ModelLink:
                           self.connection is not None, decisions,
                           awaiting_build=self.unbuilt_model is not None,
                           schedule=describe_schedule(options), graft=options.graft,
-                          costs=tuple(self.step_costs(steps_per_update)), steps=steps)
+                          costs=tuple(self.step_costs(steps_per_update)), steps=steps,
+                          state_bytes=tuple(state_bytes), state_divided=state_divided)
 
     def step_costs(self, steps_per_update):
         """The floating-point operations THOR's curvature adds to a step, a

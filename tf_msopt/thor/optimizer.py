@@ -157,9 +157,10 @@ class THOR(MindSporeOptimizer):
         steps = (self._step.parts(compat.trainable_variables(self),
                                   functools.partial(compat.tracked_index, self))
                  if self.built and self._model_link.connection is not None else {})
+        state = self._estimator.state_held(compat.distribution_strategy(self)) if self.built else {}
         return self._model_link.report(
             self._estimator.trace_decisions() if self.built else {}, steps,
-            self.gradient_accumulation_steps or 1)
+            self.gradient_accumulation_steps or 1, **state)
 
     def step_costs(self):
         """The floating-point operations THOR's curvature adds to a step, a
@@ -201,7 +202,7 @@ class THOR(MindSporeOptimizer):
                                              self.assign_add)
         check_accumulation(self.gradient_accumulation_steps,
                            compat.distribution_strategy(self).num_replicas_in_sync)
-        self._estimator.build_layers(self._add_state_variable,
+        self._estimator.build_layers(self._add_state_variable, compat.distribution_strategy(self),
                                      accumulates=bool(self.gradient_accumulation_steps))
         kl_clip = None
         if options.kl_clip is not None:

@@ -186,7 +186,8 @@ OPTIONS = (
                                                             ("step", "refresh"))),
            "under a strategy of several replicas, the work each factored layer's owner does "
            "for all: `\"refresh\"` its factorisations, `\"step\"` also its per-step "
-           "preconditioning, both handed to every replica by one all-gather (see "
+           "preconditioning, both handed to every replica by one all-gather, and with the "
+           "replicas in one process holds its state alone (see "
            "[Distributed training](distributed.md))", preset="step",
            none_means="every replica does all of it"),
     Option("enable_clip_grad", False, _flag("enable_clip_grad"),

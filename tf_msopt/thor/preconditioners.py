@@ -85,6 +85,11 @@ class InversePreconditioner:
         return [layer.a_inverse, layer.g_inverse] if self.precondition_inputs else [
             layer.g_inverse]
 
+    def refreshed_shapes(self, block):
+        """The shapes of :meth:`refreshed_state`, known before it is built."""
+        a_shape, g_shape = block.factor_shapes(self.block_size)
+        return [a_shape, g_shape] if self.precondition_inputs else [g_shape]
+
     def refresh(self, refreshes, assign):
         """New inverses for ``refreshes`` (:class:`~tf_msopt.thor.refresh.LayerRefresh` each;
         blocks of one size inverted in one call), assigned where their ``use`` holds. Returns
@@ -205,6 +210,13 @@ class EigenbasisPreconditioner:
         """The variables of ``layer`` that :meth:`refresh` assigns."""
         return [vectors for vectors in (layer.g_eigenvectors, layer.a_eigenvectors)
                 if vectors is not None]
+
+    def refreshed_shapes(self, block):
+        """The shapes of :meth:`refreshed_state`, known before it is built."""
+        a_shape, g_shape = block.factor_shapes(self.block_size)
+        rotate_a, rotate_g = self.preconditioned_sides(block)
+        return [shape for shape, rotated in ((g_shape, rotate_g), (a_shape, rotate_a))
+                if rotated]
 
     def refresh(self, refreshes, assign):
         """The eigenvectors of the factors of ``refreshes``

@@ -130,6 +130,9 @@ class ThorReport:
     created for a model not built yet, and connects when ``fit`` builds it. ``steps``: once
     THOR is built, each variable's path mapped to the names of the pieces of its step, in
     the order they run (:attr:`~tf_msopt.thor.step_modifiers.VariableUpdate.parts`).
+    ``state_bytes``: once built, the bytes of curvature state (the factors' averages,
+    eigenvectors or inverses, rotated second moments) each replica holds;
+    ``state_divided``: whether each layer's is on the replica that refreshes it alone.
     """
 
     rows: tuple
@@ -143,6 +146,8 @@ class ThorReport:
     graft: object = None
     costs: tuple = ()
     steps: dict = dataclasses.field(default_factory=dict)
+    state_bytes: tuple = ()
+    state_divided: bool = False
 
     @property
     def preconditioned(self):
@@ -161,6 +166,8 @@ class ThorReport:
                   f"blocks of {self.block_size or 'full size'}")
         if self.inverse_backend is not None:
             header += f"; inverse back-end: {self.inverse_backend}"
+        if self.state_bytes:
+            header += "\n" + _state_line(self.state_bytes, self.state_divided)
         if self.awaiting_build:
             header += ("\nNOT CONNECTED yet: the model is not built; fit, evaluate or "
                        "train_on_batch connect THOR when they build it")
@@ -183,6 +190,19 @@ class ThorReport:
             lines += [f"  {layer}: {r} / {u} / {f}"
                       for layer, (r, u, f) in self.trace_decisions.items()]
         return "\n".join([header, *lines])
+
+
+def _state_line(held, divided):
+    """The line of :attr:`ThorReport.state_bytes`."""
+    if divided:
+        return (f"curvature state per replica: {', '.join(map(_mebibytes, held))} (each "
+                f"layer's on the replica that refreshes it; {_mebibytes(sum(held))} in all)")
+    where = f" on each of {len(held)} replicas" if len(held) > 1 else ""
+    return f"curvature state: {_mebibytes(held[0])}{where}"
+
+
+def _mebibytes(count):
+    return f"{count / 2**20:.3g} MiB"
 
 
 def _aligned(table, indent=""):

@@ -37,7 +37,7 @@ def render_thor_step_workers(results):
             + machine_line(*payloads, files=WORKERS_FILES))
 
 
-WORKER_STEP_FILES = ["thor_workers.json"]
+WORKER_STEP_FILES = ["thor_workers.json", "thor_workers_transformer.json"]
 DIVISIONS = {"step": '`"step"`', "refresh": '`"refresh"`', "none": "`None`"}
 
 

@@ -51,13 +51,13 @@ def test_subsampled_statistics_equal_one_device(two_cpu_strategy):
     assert_weights_close(mirrored, single, rtol=1e-5)
 
 
-def custom_loop_weights(strategy, shard=None, steps=6, batch=16, default=False):
+def custom_loop_weights(strategy, shard=None, steps=6, batch=16, default=False, **options):
     """A custom loop (``strategy.run``) on global batches of ``batch``; with ``shard``, this
     worker feeds its half of each batch (tests/test_multi_worker.py runs it on two workers).
-    MindSpore's form, or with ``default`` the default configuration."""
+    MindSpore's form, or with ``default`` the default configuration (with ``options``)."""
     with strategy.scope():
         model = mixed_model()
-        optimizer = (mso.thor(model, frequency=3) if default else
+        optimizer = (mso.thor(model, frequency=3, **options) if default else
                      mso.thor(model, 0.05, 0.05, 0.9, frequency=3, block_size=4))
         optimizer.build(model.trainable_variables)
 
@@ -82,6 +82,15 @@ def custom_loop_weights(strategy, shard=None, steps=6, batch=16, default=False):
     return model.get_weights()
 
 
+def test_divided_state_in_a_custom_loop(two_cpu_strategy):
+    """In a custom loop (``strategy.run``, the optimizer built in the strategy's scope), the
+    default's state divided between the replicas gives the bits of replicas that each hold
+    all of it."""
+    whole = custom_loop_weights(two_cpu_strategy, default=True, replica_division="refresh")
+    keras.backend.clear_session()
+    divided = custom_loop_weights(two_cpu_mirrored_strategy(), default=True)
+    for got, want in zip(divided, whole):
+        np.testing.assert_array_equal(got, want)
 
 
 def deep_mlp():

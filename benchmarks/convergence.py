@@ -314,13 +314,16 @@ OPTIMIZERS = (*THOR_CONFIGS, *FIRST_ORDER, ADAM_AT_THOR_RATE, "kfac-jax", DEFAUL
 
 # --- data and models
 
-def load_mnist1d():
+def load_mnist1d(num_samples=None):
     """MNIST-1D from ``mnist1d.data.make_dataset`` (generated here, seed 42, no download):
-    ``(x_train, x_val, y_train, y_val)``, x of shape (n, 40, 1), float32."""
+    ``(x_train, x_val, y_train, y_val)``, x of shape (n, 40, 1), float32; ``num_samples``
+    sequences in all (default the package's, 5,000), 80% of them for training."""
     from mnist1d.data import get_dataset_args, make_dataset
 
     args = get_dataset_args()
     args.seed = MNIST1D_SEED
+    if num_samples:
+        args.num_samples = num_samples
     py_state, np_state = random.getstate(), np.random.get_state()
     try:   # make_dataset seeds Python's and NumPy's global generators
         data = make_dataset(args)

@@ -27,6 +27,7 @@ import sys
 from statistics import median
 
 from render_common import RESULTS, _ms, _x, load, machine_line, table
+from render_batch_scaling import BATCH_SCALING_FILES, render_batch_scaling
 from render_distributed import DISTRIBUTED_TABLES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -681,6 +682,7 @@ TABLES = {  # name: (renderer, the results files it reads)
     "convergence_heldout": (render_convergence_heldout,
                             [results_file(task, "heldout") for task in ALL_TASKS]),
     "state_dtype": (render_state_dtype, [results_file("charlm", "state_dtype")]),
+    "batch_scaling": (render_batch_scaling, BATCH_SCALING_FILES),
     "thor_arguments": (render_thor_arguments, []),
     "thor_monitor": (render_thor_monitor, ["thor_monitor.json"]),
 }

@@ -195,7 +195,8 @@ def test_every_benchmark_offers_out():
     folder = os.path.join(REPO_ROOT, "benchmarks")
     scripts = [name for name in os.listdir(folder) if name.endswith(".py")
                and name not in ("timing.py", "targets.py", "render.py", "render_common.py",
-                                "render_distributed.py", "kfac_jax_baseline.py")]
+                                "render_distributed.py", "render_batch_scaling.py",
+                                "kfac_jax_baseline.py")]
     for name in scripts:
         with open(os.path.join(folder, name)) as f:
             assert '"--out"' in f.read(), name

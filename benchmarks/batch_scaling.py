@@ -58,7 +58,6 @@ import json
 import math
 import os
 import sys
-import time
 from statistics import median
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -69,8 +68,8 @@ import tensorflow as tf  # noqa: E402
 
 import tf_msopt as mso  # noqa: E402
 from tf_msopt.compare import muon, without_data_autotuning  # noqa: E402
-from convergence import load_mnist1d, make_mnist1d_model  # noqa: E402
-from targets import reaches  # noqa: E402
+from convergence import (  # noqa: E402
+    EpochTimer, StopAtTarget, load_mnist1d, make_mnist1d_model, to_target as epochs_to_target)
 from timing import balanced_orders, machine  # noqa: E402
 
 OPTIMIZERS = ("THOR", "Adam", "Muon", "LARS")
@@ -185,41 +184,21 @@ def settings(task, optimizers, batch):
 
 # --- training
 
-class TrainTimer(keras.callbacks.Callback):
-    """Seconds of each epoch's training, from ``on_epoch_begin`` to ``on_test_begin`` (its
-    validation left out); the first also counts ``fit``'s setup from :meth:`fit_called`."""
-
-    def fit_called(self):
-        self._fit_called = time.perf_counter()
-        self.seconds = []
-        self._setup = None
-
-    def on_train_begin(self, logs=None):
-        self._setup = time.perf_counter() - self._fit_called
-
-    def on_epoch_begin(self, epoch, logs=None):
-        self._start = time.perf_counter()
+class TrainTimer(EpochTimer):
+    """:class:`EpochTimer`'s seconds, each epoch's ending where its validation begins
+    (``on_test_begin``): the validation left out."""
 
     def on_test_begin(self, logs=None):
-        self.seconds.append(time.perf_counter() - self._start
-                            + (self._setup if not self.seconds else 0.0))
-
-
-class StopAtAccuracy(keras.callbacks.Callback):
-    """Ends training at the first validation whose accuracy reaches ``target``."""
-
-    def __init__(self, target):
-        super().__init__()
-        self.target = target
+        super().on_epoch_end(len(self.epoch_seconds))
 
     def on_epoch_end(self, epoch, logs=None):
-        if reaches((logs or {}).get("val_accuracy", 0.0), self.target):
-            self.model.stop_training = True
+        pass
 
 
 def train(task, name, learning_rate, data, weights, batch, seed, max_steps, eval_every,
           target):
-    """One run: ``{"val_accuracy": [...], "seconds": [...]}``, one entry per validation."""
+    """One run: ``{"val_accuracy": [...], "epoch_seconds": [...]}``, one entry per
+    validation."""
     x_train, x_val, y_train, y_val = data
     keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
@@ -235,18 +214,25 @@ def train(task, name, learning_rate, data, weights, batch, seed, max_steps, eval
         history = model.fit(dataset, epochs=max_steps // eval_every, steps_per_epoch=eval_every,
                             shuffle=False,
                             validation_data=(x_val, y_val), validation_batch_size=len(x_val),
-                            verbose=0, callbacks=[timer, StopAtAccuracy(target),
+                            verbose=0, callbacks=[timer, StopAtTarget(target),
                                                   keras.callbacks.TerminateOnNaN()])
     return {"val_accuracy": [float(v) for v in history.history["val_accuracy"]],
-            "seconds": [float(s) for s in timer.seconds]}
+            "epoch_seconds": [float(s) for s in timer.epoch_seconds]}
 
 
 def to_target(run, target, eval_every):
     """(steps, seconds) to the first validation at ``target``; inf, inf if none."""
-    reached = next((i for i, v in enumerate(run["val_accuracy"]) if reaches(v, target)), None)
-    if reached is None:
-        return math.inf, math.inf
-    return (reached + 1) * eval_every, float(sum(run["seconds"][:reached + 1]))
+    validations, seconds = epochs_to_target(run, target)
+    return validations * eval_every, seconds
+
+
+def record(into, name, label, rate, steps, seconds, val_accuracy):
+    """Appends one run's figures to ``into[name][label]``."""
+    entry = into.setdefault(name, {}).setdefault(
+        label, {"lr": rate, "steps": [], "seconds": [], "val_accuracy": []})
+    entry["steps"].append(steps)
+    entry["seconds"].append(seconds)
+    entry["val_accuracy"].append(val_accuracy)
 
 
 class Runner:
@@ -267,11 +253,7 @@ class Runner:
         run = train(self.task, name, rate, self.data, self.weights[seed], batch, seed,
                     self.max_steps, self.eval_every, self.target)
         steps, seconds = to_target(run, self.target, self.eval_every)
-        entry = into.setdefault(name, {}).setdefault(
-            label, {"lr": rate, "steps": [], "seconds": [], "val_accuracy": []})
-        entry["steps"].append(steps)
-        entry["seconds"].append(seconds)
-        entry["val_accuracy"].append(run["val_accuracy"])
+        record(into, name, label, rate, steps, seconds, run["val_accuracy"])
         print(f"seed {seed} batch {batch:<6}{name:<6}{label:<12}steps {steps!s:<6}"
               f"seconds {seconds:7.2f}  accuracy {run['val_accuracy'][-1]:.4f}", flush=True)
 

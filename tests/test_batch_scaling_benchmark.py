@@ -55,7 +55,7 @@ def test_grids_centre_thor_on_its_default_and_first_order_on_the_square_root_rul
 
 
 def test_steps_and_time_run_to_the_first_validation_at_the_target():
-    run = {"val_accuracy": [0.5, 0.91, 0.89, 0.95], "seconds": [3.0, 0.5, 0.5, 0.5]}
+    run = {"val_accuracy": [0.5, 0.91, 0.89, 0.95], "epoch_seconds": [3.0, 0.5, 0.5, 0.5]}
     assert batch_scaling.to_target(run, 0.9, eval_every=10) == (20, 3.5)
     assert batch_scaling.to_target(run, 0.96, eval_every=10) == (inf, inf)
 
@@ -135,7 +135,7 @@ def test_a_short_run_saves_what_it_tabulates_again(small_task, tmp_path, capsys)
 
 
 class FakeRunner:
-    """Runs nothing: a run's steps are ``steps(rate)`` and its seconds ``steps / 10``."""
+    """Runs nothing: a run's steps are ``steps(rate)`` and its seconds ``steps / 10 + seed``."""
 
     seeds = (0, 1)
 
@@ -144,10 +144,8 @@ class FakeRunner:
 
     def run(self, name, label, rate, batch, seed, into):
         self.calls.append((batch, name, label, seed))
-        entry = into.setdefault(name, {}).setdefault(
-            label, {"lr": rate, "steps": [], "seconds": [], "val_accuracy": []})
-        entry["steps"].append(self.steps(rate))
-        entry["seconds"].append(self.steps(rate) / 10 + seed)
+        batch_scaling.record(into, name, label, rate, self.steps(rate),
+                             self.steps(rate) / 10 + seed, [])
 
 
 def test_widening_runs_beyond_an_edge_until_the_best_rate_is_inside():

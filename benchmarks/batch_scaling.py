@@ -18,6 +18,9 @@ the rate that centres it):
 
 * ``THOR``: ``tf_msopt.thor(model)``, centred on its default: its middle point *is* the
   untuned default (``THOR default`` in the tables);
+* ``THOR-MS``: MindSpore's THOR, ``tf_msopt.thor(model, learning_rate, damping=0.3,
+  momentum=0.9, frequency=10)``, centred on the rate (0.05) of its best setting on
+  ``convergence.py``'s MNIST-1D at batch 64 (its damping is that setting's too);
 * ``Adam``: ``keras.optimizers.Adam``; ``Muon``: ``keras.optimizers.Muon`` (the output layer
   left to its AdamW step), centred on Adam's rates (Muon scales its step to Adam's RMS);
 * ``LARS``: ``tf_msopt.LARS(SGD(momentum=0.9), coefficient=0.01)``.
@@ -28,7 +31,9 @@ it runs here without a warm-up).
 
 Every run starts from the seed's initial weights and draws its batches in the seed's order.
 Validation runs every ``--eval-every`` steps (one Keras "epoch" of ``fit``); a run stops at the
-first validation that reaches the target, else after ``--max-steps``. Steps to target: the
+first validation that reaches the target, else after ``--max-steps``; a run whose validation
+accuracy has stayed within 0.02 of the most frequent class's share for 10 validations in a row
+has collapsed to a constant prediction, and stops there as a miss. Steps to target: the
 steps up to that validation. Training time: the sum of the epochs' seconds up to it, each
 timed by a Keras callback from ``on_epoch_begin`` to ``on_test_begin`` (the validation left
 out; the first epoch counts ``fit``'s setup and tracing). A setting's figure is its median over
@@ -42,16 +47,18 @@ steps to target by at least 1.6x per doubling of the batch (2.56x for four times
 
     python benchmarks/batch_scaling.py [--task teacher|mnist1d] [--batches 64,256,1024,4096]
                                        [--seeds 0,1,2]
-                                       [--optimizers THOR,Adam,Muon,LARS]
+                                       [--optimizers THOR,THOR-MS,Adam,Muon,LARS]
                                        [--max-steps 1000] [--eval-every 10]
                                        [--save (or --out) results/batch_scaling_teacher.json]
     python benchmarks/batch_scaling.py --from results/batch_scaling_teacher.json
-                                       [--widen TIMES] [--rounds R] [--save FILE]
-                                       [--plot f.png]
+                                       [--optimizers NAMES] [--widen TIMES]
+                                       [--rounds R] [--save FILE] [--plot f.svg]
 
 ``--widen TIMES`` runs, up to TIMES times, the rate 3x beyond each best point at an end of its
-grid; ``--rounds R`` re-runs each batch's best settings and the default THOR, R interleaved
-rounds of every seed, and the tables take their times from those runs.
+grid; ``--optimizers`` with ``--from`` measures those of the named optimizers the file does
+not have yet, at its batches; ``--rounds R`` re-runs each batch's best settings and the
+default THOR, R interleaved rounds of every seed, and the tables take their times from those
+runs.
 """
 import argparse
 import json
@@ -72,14 +79,19 @@ from convergence import (  # noqa: E402
     EpochTimer, StopAtTarget, load_mnist1d, make_mnist1d_model, to_target as epochs_to_target)
 from timing import balanced_orders, machine  # noqa: E402
 
-OPTIMIZERS = ("THOR", "Adam", "Muon", "LARS")
+OPTIMIZERS = ("THOR", "THOR-MS", "Adam", "Muon", "LARS")
 FIRST_ORDER = ("Adam", "Muon", "LARS")
+NAMES_SHOWN = {"THOR-MS": "MindSpore's THOR"}
 GRID = (1 / 3, 1.0, 3.0)
 REFERENCE_BATCH = 256
 # First-order grids are centred on the task's "rate_centres" at REFERENCE_BATCH, times
 # RATE_SCALING's power of batch / REFERENCE_BATCH.
-RATE_SCALING = {"Adam": 0.5, "Muon": 0.5, "LARS": 0.5}
+RATE_SCALING = {"THOR-MS": 0.0, "Adam": 0.5, "Muon": 0.5, "LARS": 0.5}
 LARS_COEFFICIENT = 0.01
+MINDSPORE_THOR = {"damping": 0.3, "momentum": 0.9, "frequency": 10}
+# A run has collapsed when its validation accuracy stays within COLLAPSE_MARGIN of the most
+# frequent class's share for COLLAPSE_PATIENCE validations in a row.
+COLLAPSE_MARGIN, COLLAPSE_PATIENCE = 0.02, 10
 DOUBLING_CUT = 1.6
 
 
@@ -122,12 +134,12 @@ TASKS = {
                 "model": make_teacher_student, "logits": True, "features": 32,
                 "teacher_hidden": 64, "classes": 10, "train": 131072, "validation": 8192,
                 "margin": 0.5, "hidden": 256, "data_seed": 1234,
-                "rate_centres": {"Adam": 3e-3, "Muon": 3e-3, "LARS": 0.5}},
+                "rate_centres": {"THOR-MS": 0.05, "Adam": 3e-3, "Muon": 3e-3, "LARS": 0.5}},
     "mnist1d": {"title": "MNIST-1D Conv1D, 102,400 training sequences", "target": 0.90,
                 "data": make_mnist1d_data,
                 "model": lambda task: make_mnist1d_model((40, 1), 10), "logits": False,
                 "samples": 128000, "validation": 8192,
-                "rate_centres": {"Adam": 1e-2, "Muon": 1e-2, "LARS": 0.5}},
+                "rate_centres": {"THOR-MS": 0.05, "Adam": 1e-2, "Muon": 1e-2, "LARS": 0.5}},
 }
 
 
@@ -156,9 +168,16 @@ def rate_centre(task, name, batch):
     return task["rate_centres"][name] * (batch / REFERENCE_BATCH) ** RATE_SCALING[name]
 
 
+def shown(name):
+    """``name`` as tables and plots show it."""
+    return NAMES_SHOWN.get(name, name)
+
+
 def make_optimizer(name, model, learning_rate):
     if name == "THOR":
         return mso.thor(model, learning_rate=learning_rate)
+    if name == "THOR-MS":
+        return mso.thor(model, learning_rate=learning_rate, **MINDSPORE_THOR)
     if name == "Adam":
         return keras.optimizers.Adam(learning_rate)
     if name == "Muon":
@@ -183,6 +202,21 @@ def settings(task, optimizers, batch):
 
 
 # --- training
+
+class StopWhenCollapsed(keras.callbacks.Callback):
+    """Stops training once the validation accuracy has stayed within ``margin`` of ``chance``
+    (the most frequent class's share) for ``patience`` validations in a row: the model
+    predicts one class, as a diverged run does."""
+
+    def __init__(self, chance, margin=COLLAPSE_MARGIN, patience=COLLAPSE_PATIENCE):
+        super().__init__()
+        self.ceiling, self.patience, self.low = chance + margin, patience, 0
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.low = self.low + 1 if logs["val_accuracy"] <= self.ceiling else 0
+        if self.low >= self.patience:
+            self.model.stop_training = True
+
 
 class TrainTimer(EpochTimer):
     """:class:`EpochTimer`'s seconds, each epoch's ending where its validation begins
@@ -210,11 +244,13 @@ def train(task, name, learning_rate, data, weights, batch, seed, max_steps, eval
     dataset = batches(x_train, y_train, batch, seed, max_steps)
     timer = TrainTimer()
     timer.fit_called()
+    chance = np.bincount(y_val).max() / len(y_val)
     with without_data_autotuning():
         history = model.fit(dataset, epochs=max_steps // eval_every, steps_per_epoch=eval_every,
                             shuffle=False,
                             validation_data=(x_val, y_val), validation_batch_size=len(x_val),
                             verbose=0, callbacks=[timer, StopAtTarget(target),
+                                                  StopWhenCollapsed(chance),
                                                   keras.callbacks.TerminateOnNaN()])
     return {"val_accuracy": [float(v) for v in history.history["val_accuracy"]],
             "epoch_seconds": [float(s) for s in timer.epoch_seconds]}
@@ -254,7 +290,7 @@ class Runner:
                     self.max_steps, self.eval_every, self.target)
         steps, seconds = to_target(run, self.target, self.eval_every)
         record(into, name, label, rate, steps, seconds, run["val_accuracy"])
-        print(f"seed {seed} batch {batch:<6}{name:<6}{label:<12}steps {steps!s:<6}"
+        print(f"seed {seed} batch {batch:<6}{name:<8}{label:<12}steps {steps!s:<6}"
               f"seconds {seconds:7.2f}  accuracy {run['val_accuracy'][-1]:.4f}", flush=True)
 
 
@@ -292,8 +328,10 @@ def widen(runner, results, times=2):
 
 
 def retimed_cases(by_optimizer):
-    """The settings a batch re-times: each optimizer's best, and the default THOR."""
-    cases = [(name, best(points)[0]) for name, points in by_optimizer.items()]
+    """The settings a batch re-times: each optimizer's best where it reached the target, and
+    the default THOR."""
+    cases = [(name, label) for name, points in by_optimizer.items()
+             for label, steps, _ in [best(points)] if math.isfinite(steps)]
     if "default" in by_optimizer.get("THOR", {}) and ("THOR", "default") not in cases:
         cases.append(("THOR", "default"))
     return cases
@@ -389,8 +427,9 @@ def report(results, retimed=None):
     info = summary(results, retimed)
     for batch, row in info["batches"].items():
         for name, r in row["best"].items():
-            print(f"batch {batch:<6}{name:<6} best {r['setting']:<12}steps {_show(r['steps']):>6}"
-                  f"  seconds {r['seconds']:7.2f}{'  (on the edge of its grid)' if r['edge'] else ''}")
+            edge = "  (on the edge of its grid)" if r["edge"] else ""
+            print(f"batch {batch:<6}{name:<8} best {r['setting']:<12}"
+                  f"steps {_show(r['steps']):>6}  seconds {r['seconds']:7.2f}{edge}")
         if "ratios" in row:
             ratios = row["ratios"]
             print(f"batch {batch:<6}default THOR / best first-order: steps "
@@ -405,30 +444,46 @@ def _show(value):
     return "miss" if not math.isfinite(value) else f"{value:g}"
 
 
-def plot(results, path, retimed=None):
+def plot(payloads, path, description=None):
+    """Steps and training seconds to the target against the batch, log-log, a row per results
+    payload; an SVG is drawn the same, byte for byte, from the same results by the same
+    matplotlib (``description`` goes into its metadata)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
 
-    info = summary(results, retimed)
-    batch_sizes = sorted(int(b) for b in info["batches"])
-    figure, axes = plt.subplots(1, 2, figsize=(10, 4))
-    names = sorted({n for row in info["batches"].values() for n in row["best"]})
-    for name in names + ["default THOR"]:
-        points = [(b, info["batches"][str(b)]["best"][name] if name != "default THOR"
-                   else info["batches"][str(b)].get("default THOR")) for b in batch_sizes]
-        points = [(b, r) for b, r in points if r and math.isfinite(r["steps"])]
-        for axis, key in zip(axes, ("steps", "seconds")):
-            axis.plot([b for b, _ in points], [r[key] for _, r in points], marker="o",
-                      linestyle="--" if name == "default THOR" else "-", label=name)
-    for axis, key in zip(axes, ("steps to target", "training seconds to target")):
-        axis.set_xscale("log", base=2)
-        axis.set_yscale("log")
-        axis.set_xlabel("batch size")
-        axis.set_ylabel(key)
-    axes[0].legend()
-    figure.tight_layout()
-    figure.savefig(path)
+    with matplotlib.rc_context({"svg.hashsalt": "batch_scaling", "svg.fonttype": "none"}):
+        figure, axes = plt.subplots(len(payloads), 2, figsize=(10, 3.6 * len(payloads)),
+                                    squeeze=False)
+        for row, payload in zip(axes, payloads):
+            info = summary(payload["results"], payload.get("retimed"))
+            batch_sizes = sorted(int(b) for b in info["batches"])
+            names = [n for n in OPTIMIZERS
+                     if any(n in r["best"] for r in info["batches"].values())]
+            for name in names + ["default THOR"]:
+                points = [(b, info["batches"][str(b)]["best"].get(name)
+                           if name != "default THOR" else info["batches"][str(b)].get(name))
+                          for b in batch_sizes]
+                points = [(b, r) for b, r in points if r and math.isfinite(r["steps"])]
+                for axis, key in zip(row, ("steps", "seconds")):
+                    axis.plot([b for b, _ in points], [r[key] for _, r in points], marker="o",
+                              linestyle="--" if name == "default THOR" else "-",
+                              label=name if name == "default THOR" else f"{shown(name)}, best")
+            for axis, key in zip(row, ("steps to target", "training seconds to target")):
+                axis.set_xscale("log", base=2)
+                axis.set_yscale("log")
+                axis.set_xticks(batch_sizes, [f"{b:,}" for b in batch_sizes])
+                axis.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                axis.yaxis.set_minor_formatter(ticker.NullFormatter())
+                axis.set_xlabel("batch size")
+                axis.set_ylabel(key)
+                axis.set_title(payload["task"]["title"], fontsize="medium")
+        axes[0][0].legend(fontsize="small")
+        figure.tight_layout()
+        figure.savefig(path, metadata={"Date": None, "Description": description}
+                       if path.endswith(".svg") else None)
+    plt.close(figure)
 
 
 def main(argv=None):
@@ -436,7 +491,8 @@ def main(argv=None):
     parser.add_argument("--task", default="teacher", choices=sorted(TASKS))
     parser.add_argument("--batches", default="64,256,1024,4096")
     parser.add_argument("--seeds", default="0,1,2")
-    parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    parser.add_argument("--optimizers", help=f"default: {','.join(OPTIMIZERS)}; with --from, "
+                        "those the file does not have yet are measured")
     parser.add_argument("--max-steps", type=int, default=1000)
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target", type=float, help="default: the task's")
@@ -452,7 +508,12 @@ def main(argv=None):
     if args.from_file:
         with open(args.from_file) as f:
             payload = json.load(f)
-        task = {**TASKS[payload["task"]["name"]], **payload["task"]}
+        code_task = TASKS[payload["task"]["name"]]
+        task = {**code_task, **payload["task"], "rate_centres": {
+            **code_task["rate_centres"], **payload["task"]["rate_centres"]}}
+        payload["task"] = task_record(task)
+        payload["rate_scaling"] = {**RATE_SCALING, **payload["rate_scaling"]}
+        payload.setdefault("mindspore_thor", MINDSPORE_THOR)
         seeds, target = payload["seeds"], payload["target"]
         args.max_steps, args.eval_every = payload["max_steps"], payload["eval_every"]
     else:
@@ -462,15 +523,20 @@ def main(argv=None):
         payload = {"task": task_record(task), "target": target, "seeds": seeds,
                    "max_steps": args.max_steps, "eval_every": args.eval_every,
                    "grid": list(GRID), "rate_scaling": RATE_SCALING,
-                   "lars_coefficient": LARS_COEFFICIENT,
+                   "lars_coefficient": LARS_COEFFICIENT, "mindspore_thor": MINDSPORE_THOR,
                    "thor_defaults": {k: v for k, v in mso.thor.DEFAULTS.items()
                                      if isinstance(v, (int, float, str, type(None)))},
                    "machine": machine()}
-    if not args.from_file or args.widen or args.rounds:
+    optimizers = (args.optimizers or ",".join(OPTIMIZERS)).split(",")
+    if args.from_file:   # only those the file does not have yet
+        optimizers = [n for n in (args.optimizers or "").split(",") if n and not any(
+            n in row for row in payload["results"].values())]
+    if optimizers or args.widen or args.rounds:
         runner = Runner(task, seeds, args.max_steps, args.eval_every, target)
-        if not args.from_file:
-            payload["results"] = measure(runner, [int(b) for b in args.batches.split(",")],
-                                         args.optimizers.split(","))
+        if optimizers:
+            batch_sizes = payload.get("results") or args.batches.split(",")
+            for batch, row in measure(runner, [int(b) for b in batch_sizes], optimizers).items():
+                payload.setdefault("results", {}).setdefault(batch, {}).update(row)
         widen(runner, payload["results"], args.widen)
         if args.rounds:
             payload["retimed"] = retime(runner, payload["results"], args.rounds)
@@ -481,7 +547,7 @@ def main(argv=None):
             f.write("\n")
     info = report(payload["results"], payload.get("retimed"))
     if args.plot:
-        plot(payload["results"], args.plot, payload.get("retimed"))
+        plot([payload], args.plot)
     print(json.dumps({"benchmark": "batch_scaling", "task": payload["task"]["name"],
                       "critical": info["critical"],
                       "ratios": {b: row.get("ratios") for b, row in info["batches"].items()}}))

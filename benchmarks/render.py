@@ -17,6 +17,9 @@ says so, with the command that measures it.
 
     python benchmarks/render.py           # rewrite the tables in place
     python benchmarks/render.py --check   # exit 1, naming the tables, if a page differs
+
+It draws docs/images/batch_scaling.svg too (benchmarks/render_batch_scaling.py), whose
+metadata names the digest of the results it shows: ``--check`` compares that digest.
 """
 import argparse
 import json
@@ -27,7 +30,9 @@ import sys
 from statistics import median
 
 from render_common import RESULTS, _ms, _x, load, machine_line, table
-from render_batch_scaling import BATCH_SCALING_FILES, render_batch_scaling
+from render_batch_scaling import (
+    BATCH_SCALING_FILES, PLOT, batch_scaling_plot_is_current, draw_batch_scaling_plot,
+    render_batch_scaling)
 from render_distributed import DISTRIBUTED_TABLES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -739,6 +744,13 @@ def main(argv=None):
             with open(page, "w") as f:
                 f.write(rendered)
             print(f"{where}: rendered {', '.join(names)}")
+    if not batch_scaling_plot_is_current(RESULTS):
+        stale = True
+        if args.check:
+            print(f"docs/{PLOT}: out of date with benchmarks/results/")
+        else:
+            draw_batch_scaling_plot(RESULTS)
+            print(f"docs/{PLOT}: drawn")
     return 1 if stale and args.check else 0
 
 

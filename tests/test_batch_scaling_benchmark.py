@@ -2,6 +2,7 @@
 import json
 import math
 
+import keras
 import numpy as np
 import pytest
 
@@ -52,6 +53,38 @@ def test_grids_centre_thor_on_its_default_and_first_order_on_the_square_root_rul
     adam = sorted(rate for name, _, rate in points if name == "Adam")
     centre = task["rate_centres"]["Adam"] * 2     # sqrt(1024 / 256)
     assert adam == pytest.approx([centre / 3, centre, centre * 3])
+
+
+def test_mindspore_thor_is_centred_on_its_tuned_rate_at_every_batch():
+    task = batch_scaling.TASKS["mnist1d"]
+    for batch in (64, 4096):
+        rates = sorted(rate for _, _, rate in batch_scaling.settings(task, ["THOR-MS"], batch))
+        assert rates == pytest.approx([0.05 / 3, 0.05, 0.15])
+
+    def config(make):
+        keras.backend.clear_session()     # the same layer names
+        model = batch_scaling.make_teacher_student(batch_scaling.TASKS["teacher"])
+        return {k: v for k, v in make(model).get_config().items() if k != "name"}
+
+    measured = config(lambda model: batch_scaling.make_optimizer("THOR-MS", model, 0.05))
+    assert measured == config(lambda model: mso.thor(model, learning_rate=0.05, damping=0.3,
+                                                     momentum=0.9, frequency=10))
+    assert measured != config(lambda model: mso.thor(model, learning_rate=0.05))
+
+
+class _Model:
+    stop_training = False
+
+
+def test_a_run_stops_once_it_predicts_one_class_for_the_patience():
+    stop = batch_scaling.StopWhenCollapsed(chance=0.1, margin=0.02, patience=3)
+    model = _Model()
+    stop.set_model(model)
+    accuracies = [0.5, 0.11, 0.12, 0.5, 0.11, 0.12, 0.115]
+    for epoch, accuracy in enumerate(accuracies):
+        assert not model.stop_training, epoch
+        stop.on_epoch_end(epoch, {"val_accuracy": accuracy})
+    assert model.stop_training         # the last three are within 0.02 of the share 0.1
 
 
 def test_steps_and_time_run_to_the_first_validation_at_the_target():
@@ -109,7 +142,7 @@ def test_the_table_renders_each_batch_and_the_critical_batches(tmp_path):
     text = render_batch_scaling.render_batch_scaling(str(tmp_path))
     for name in render_batch_scaling.BATCH_SCALING_FILES:
         assert f"task of {name}, target validation accuracy 0.9, at most 1000 steps" in text
-    assert ("| 256 | 60 / 3.0 s | 60 / 3.0 s (default) | 130 / 1.3 s (lr=0.003, edge) |  | "
+    assert ("| 256 | 60 / 3.0 s | 60 / 3.0 s (default) |  | 130 / 1.3 s (lr=0.003, edge) |  | "
             "110 / 1.1 s (lr=0.5, edge) | 0.55x / 2.73x |") in text
     assert "Critical batch sizes (steps to target cut by 1.6x per doubling): " in text
     assert "Adam 256" in text and "LARS 256" in text and "THOR >= 1024" in text
@@ -166,8 +199,9 @@ def test_retiming_interleaves_each_batchs_best_settings_and_the_default_thor():
     runner = FakeRunner(lambda rate: 10)
     results = {"256": {"THOR": {"default": _point(0.005, [60, 60], [1.0, 1.0]),
                                 "lr=0.015": _point(0.015, [40, 40], [1.0, 1.0])},
-                       "Adam": {"lr=0.003": _point(0.003, [80, 80], [9.0, 9.0])}}}
-    retimed = batch_scaling.retime(runner, results, rounds=2)
+                       "Adam": {"lr=0.003": _point(0.003, [80, 80], [9.0, 9.0])},
+                       "LARS": {"lr=0.5": _point(0.5, [inf, inf], [inf, inf])}}}
+    retimed = batch_scaling.retime(runner, results, rounds=2)    # LARS missed: not re-timed
     cases = [call[1:3] for call in runner.calls if call[3] == 0]
     assert sorted(cases[:3]) == sorted(cases[3:]) == [
         ("Adam", "lr=0.003"), ("THOR", "default"), ("THOR", "lr=0.015")]
@@ -177,3 +211,55 @@ def test_retiming_interleaves_each_batchs_best_settings_and_the_default_thor():
     assert row["best"]["Adam"]["seconds"] == 1.5      # the re-timed median, not 9.0
     assert row["best"]["Adam"]["steps"] == 80         # steps stay the grid's
     assert row["default THOR"]["seconds"] == 1.5
+
+
+def test_from_a_file_only_the_optimizers_it_lacks_are_measured(tmp_path, monkeypatch):
+    runner = FakeRunner(lambda rate: 30)
+
+    def make_runner(task, *args):
+        runner.task = task
+        return runner
+
+    monkeypatch.setattr(batch_scaling, "Runner", make_runner)
+    source, out = tmp_path / "in.json", tmp_path / "out.json"
+    task = batch_scaling.task_record({**batch_scaling.TASKS["teacher"], "name": "teacher"})
+    # A file from before THOR-MS was measured.
+    task["rate_centres"] = {n: r for n, r in task["rate_centres"].items() if n != "THOR-MS"}
+    source.write_text(json.dumps({"task": task, "target": 0.9, "seeds": [0, 1],
+                                  "max_steps": 100, "eval_every": 10,
+                                  "rate_scaling": {"Adam": 0.5}, "results": RESULTS}))
+    assert batch_scaling.main(["--from", str(source), "--optimizers", "THOR-MS,Adam",
+                               "--save", str(out)]) == 0
+    assert {call[1] for call in runner.calls} == {"THOR-MS"}
+    assert len(runner.calls) == 2 * 3 * 2        # batches x grid x seeds
+    saved = json.loads(out.read_text())
+    for batch, row in RESULTS.items():
+        assert sorted(p["lr"] for p in saved["results"][batch]["THOR-MS"].values()) == (
+            pytest.approx([0.05 / 3, 0.05, 0.15]))
+        assert saved["results"][batch]["Adam"] == json.loads(json.dumps(row["Adam"]))
+    assert saved["task"]["rate_centres"]["THOR-MS"] == 0.05
+    assert saved["rate_scaling"]["THOR-MS"] == 0.0
+
+
+def _write_results(directory, steps_at_256):
+    results = json.loads(json.dumps(RESULTS))
+    results["256"]["Adam"]["lr=0.003"]["steps"] = steps_at_256
+    for name in render_batch_scaling.BATCH_SCALING_FILES:
+        (directory / name).write_text(json.dumps(
+            {"task": {"title": name}, "target": 0.9, "results": results}))
+
+
+def test_the_plot_is_drawn_alike_from_alike_results_and_flagged_when_they_change(tmp_path):
+    results, docs = tmp_path / "results", tmp_path / "docs"
+    results.mkdir()
+    _write_results(results, [120, 140, 130])
+    assert not render_batch_scaling.batch_scaling_plot_is_current(str(results), str(docs))
+    render_batch_scaling.draw_batch_scaling_plot(str(results), str(docs))
+    plot = docs / render_batch_scaling.PLOT
+    drawn = plot.read_bytes()
+    assert drawn.startswith(b"<?xml") and b"<svg" in drawn
+    assert render_batch_scaling.batch_scaling_plot_is_current(str(results), str(docs))
+    render_batch_scaling.draw_batch_scaling_plot(str(results), str(docs))
+    assert plot.read_bytes() == drawn
+    _write_results(results, [120, 150, 130])
+    assert not render_batch_scaling.batch_scaling_plot_is_current(str(results), str(docs))

@@ -459,17 +459,18 @@ def plot(payloads, path, description=None):
         for row, payload in zip(axes, payloads):
             info = summary(payload["results"], payload.get("retimed"))
             batch_sizes = sorted(int(b) for b in info["batches"])
-            names = [n for n in OPTIMIZERS
-                     if any(n in r["best"] for r in info["batches"].values())]
-            for name in names + ["default THOR"]:
-                points = [(b, info["batches"][str(b)]["best"].get(name)
-                           if name != "default THOR" else info["batches"][str(b)].get(name))
-                          for b in batch_sizes]
-                points = [(b, r) for b, r in points if r and math.isfinite(r["steps"])]
+            rows = [info["batches"][str(b)] for b in batch_sizes]
+            lines = ([(f"{shown(n)}, best", "-", [r["best"].get(n) for r in rows])
+                      for n in OPTIMIZERS]
+                     + [("default THOR", "--", [r.get("default THOR") for r in rows])])
+            for label, style, points in lines:
+                if not any(points):      # an optimizer this task did not run
+                    continue
+                points = [(b, r) for b, r in zip(batch_sizes, points)
+                          if r and math.isfinite(r["steps"])]
                 for axis, key in zip(row, ("steps", "seconds")):
                     axis.plot([b for b, _ in points], [r[key] for _, r in points], marker="o",
-                              linestyle="--" if name == "default THOR" else "-",
-                              label=name if name == "default THOR" else f"{shown(name)}, best")
+                              linestyle=style, label=label)
             for axis, key in zip(row, ("steps to target", "training seconds to target")):
                 axis.set_xscale("log", base=2)
                 axis.set_yscale("log")
@@ -516,6 +517,9 @@ def main(argv=None):
         payload.setdefault("mindspore_thor", MINDSPORE_THOR)
         seeds, target = payload["seeds"], payload["target"]
         args.max_steps, args.eval_every = payload["max_steps"], payload["eval_every"]
+        batch_sizes = list(payload["results"])
+        optimizers = [n for n in (args.optimizers or "").split(",")    # those not measured yet
+                      if n and not any(n in row for row in payload["results"].values())]
     else:
         task = {**TASKS[args.task], "name": args.task}
         seeds = [int(s) for s in args.seeds.split(",")]
@@ -526,17 +530,14 @@ def main(argv=None):
                    "lars_coefficient": LARS_COEFFICIENT, "mindspore_thor": MINDSPORE_THOR,
                    "thor_defaults": {k: v for k, v in mso.thor.DEFAULTS.items()
                                      if isinstance(v, (int, float, str, type(None)))},
-                   "machine": machine()}
-    optimizers = (args.optimizers or ",".join(OPTIMIZERS)).split(",")
-    if args.from_file:   # only those the file does not have yet
-        optimizers = [n for n in (args.optimizers or "").split(",") if n and not any(
-            n in row for row in payload["results"].values())]
+                   "machine": machine(), "results": {}}
+        batch_sizes = args.batches.split(",")
+        optimizers = (args.optimizers or ",".join(OPTIMIZERS)).split(",")
     if optimizers or args.widen or args.rounds:
         runner = Runner(task, seeds, args.max_steps, args.eval_every, target)
         if optimizers:
-            batch_sizes = payload.get("results") or args.batches.split(",")
             for batch, row in measure(runner, [int(b) for b in batch_sizes], optimizers).items():
-                payload.setdefault("results", {}).setdefault(batch, {}).update(row)
+                payload["results"].setdefault(batch, {}).update(row)
         widen(runner, payload["results"], args.widen)
         if args.rounds:
             payload["retimed"] = retime(runner, payload["results"], args.rounds)
